@@ -1,0 +1,40 @@
+"""The `moepass` torch.compile backend: validate options, run the pass pipeline, hand off to Inductor.
+
+Registered through the `torch_dynamo_backends` entry point (pyproject.toml), so
+`torch.compile(model, backend="moepass")` works without importing moepass first. This function
+must not also register itself by name: Dynamo would then see the name twice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+from . import collect
+from .cache_key import SourceHashPass
+from .options import Config
+from .pipeline import run_pipeline
+
+log = logging.getLogger(__name__)
+
+
+def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
+    config = Config.from_options(options, mode)
+    import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
+
+    record = run_pipeline(gm, example_inputs, config)
+    report = collect.current_report(config)
+    report.add_graph(record)
+    log.info("%s", report.summary())
+    if config["report_dir"]:
+        report.save(config["report_dir"])
+    if not config["inductor"]:
+        return gm.forward  # the custom ops carry their own autograd, so eager training works too
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict = {"post_grad_custom_post_pass": SourceHashPass()}
+    if mode not in (None, "default"):
+        patches.update(torch._inductor.list_mode_options(mode))
+    return compile_fx(gm, example_inputs, config_patches=patches)

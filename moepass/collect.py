@@ -1,0 +1,37 @@
+"""Where the backend's records go: the innermost `collecting()` report, else the process-wide last one."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .report import Report
+
+_stack: list[Report] = []
+_last: Report | None = None
+
+
+def current_report(config) -> Report:
+    global _last
+    if _stack:
+        if not _stack[-1].config:
+            _stack[-1].config = config.to_dict()
+        return _stack[-1]
+    if _last is None or _last.config != config.to_dict():
+        _last = Report(config.to_dict())
+    return _last
+
+
+def last_report() -> Report | None:
+    """The report of graphs compiled outside `moepass.inspect` (None before any)."""
+    return _stack[-1] if _stack else _last
+
+
+@contextlib.contextmanager
+def collecting(report: Report | None = None):
+    """Gather the records of every graph compiled by moepass inside the block."""
+    report = report if report is not None else Report()
+    _stack.append(report)
+    try:
+        yield report
+    finally:
+        _stack.pop()

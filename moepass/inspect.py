@@ -1,0 +1,28 @@
+"""`moepass.inspect(model, *args)`: compile once with moepass, run, return what each pass did."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from .collect import collecting
+from .options import Config
+from .report import Report
+
+
+def graph_break_count() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def inspect(model, *example_args, options: dict | None = None, **example_kwargs) -> Report:
+    """Compile `model` with the moepass backend, run it once on the example inputs, return the Report.
+
+    The forward graphs are rewritten and compiled exactly as in training; nothing is run backward.
+    """
+    config = Config.from_options(options)  # fail fast, before any tracing
+    compiled = torch.compile(model, backend="moepass", options=dict(options or {}))
+    breaks_before = graph_break_count()
+    with collecting(Report(config.to_dict())) as report:
+        compiled(*example_args, **example_kwargs)
+    report.graph_breaks = graph_break_count() - breaks_before
+    return report

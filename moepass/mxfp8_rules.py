@@ -1,0 +1,53 @@
+"""Eligibility rules shared by the two MXFP8 passes (linear and grouped GEMM).
+
+Each rule returns None when a GEMM may be rewritten, else a reason a user can act on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .graph import matches_any
+from .options import Config, OptionsError
+
+BLOCK = 32  # MXFP8: one E8M0 scale per 32 elements along the reduction dimension
+
+
+def module_filter_problem(path: str, config: Config) -> str | None:
+    hit = matches_any(path, config["mxfp8.exclude"])
+    if hit is not None:
+        return f"excluded by mxfp8.exclude pattern {hit!r}"
+    if matches_any(path, config["mxfp8.include"]) is None:
+        return f"module path {path!r} matches no mxfp8.include pattern {list(config['mxfp8.include'])}"
+    return None
+
+
+def dtype_problem(**tensors: torch.Tensor | None) -> str | None:
+    for name, t in tensors.items():
+        if t is None:
+            return f"{name} has no recorded tensor metadata"
+        if t.dtype != torch.bfloat16:
+            return f"{name} is {t.dtype}, not bfloat16 (the MXFP8 recipe rewrites BF16 GEMMs only)"
+    return None
+
+
+def shape_problem(k: int, n: int) -> str | None:
+    bad = [f"{name}={v} not a multiple of {BLOCK}" for name, v in (("K", k), ("N", n))
+           if not isinstance(v, int) or v % BLOCK]
+    return ", ".join(bad) if bad else None
+
+
+def choose_kernel(config: Config, device: torch.device) -> tuple[str, str]:
+    """(kernel, reason) for the MXFP8 ops on `device`, honouring the `mxfp8.kernel` option."""
+    from moepass.ops.mxfp8_kernels import choose_mxfp8_kernel
+
+    best, why = choose_mxfp8_kernel(device)
+    requested = config["mxfp8.kernel"]
+    if requested == "auto":
+        return best, why
+    if requested == "emulated":
+        return "emulated", f"mxfp8.kernel='emulated' requested ({why})"
+    if best != "sm100":
+        raise OptionsError(f"moepass: mxfp8.kernel='sm100' requested but {why}. "
+                           "Use mxfp8.kernel='auto' or 'emulated' on this device.")
+    return "sm100", why

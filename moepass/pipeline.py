@@ -1,0 +1,46 @@
+"""Runs the enabled passes, in pipeline order, on one Dynamo graph and records what each did.
+
+A pass is a module under `moepass.passes` named like its pass, exposing
+`NAME`, `SUMMARY` and `run(gm, example_inputs, config, record) -> None`; the pipeline order
+is data (`moepass.options.PIPELINE`), never control flow here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+
+from torch import fx
+
+from .graph import op_histogram
+from .options import PIPELINE, Config
+from .report import GraphRecord, PassRecord
+
+log = logging.getLogger(__name__)
+
+
+def load_pass(name: str):
+    if name not in PIPELINE:
+        raise ValueError(f"moepass: unknown pass {name!r}; passes are {list(PIPELINE)}")
+    return importlib.import_module(f"moepass.passes.{name}")
+
+
+def run_pipeline(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRecord:
+    """Rewrite `gm` in place with every enabled pass; return the record of what happened."""
+    code_before = gm.code
+    ops_before = op_histogram(gm)
+    records, code_after = [], {}
+    for name in config.pipeline:
+        mod = load_pass(name)
+        record = PassRecord(name)
+        start = time.perf_counter()
+        mod.run(gm, example_inputs, config, record)
+        gm.graph.lint()
+        gm.recompile()
+        record.ms = (time.perf_counter() - start) * 1e3
+        records.append(record)
+        code_after[name] = gm.code
+        log.info("moepass pass %s: replaced %d, skipped %d (%.1f ms)",
+                 name, len(record.rewrites), len(record.skipped), record.ms)
+    return GraphRecord(0, code_before, code_after, ops_before, op_histogram(gm), records)

@@ -1,0 +1,48 @@
+"""A plain training step (forward, loss, backward, AdamW) shared by demo, bench and converge."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+@dataclasses.dataclass
+class StepResult:
+    step: int
+    loss: float
+    seconds: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device: torch.device,
+          lr: float = 3e-4, on_step: Callable[[StepResult], None] | None = None,
+          optimizer: torch.optim.Optimizer | None = None) -> list[StepResult]:
+    """Run `steps` optimizer steps of `forward(tokens) -> logits`; time each step to the device's end."""
+    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    results = []
+    for i in range(steps):
+        inputs, targets = (t.to(device, non_blocking=True) for t in batches[i])
+        synchronize(device)
+        start = time.perf_counter()
+        loss = next_token_loss(forward(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        r = StepResult(i, loss.item(), time.perf_counter() - start)
+        results.append(r)
+        if on_step:
+            on_step(r)
+    return results

@@ -1,0 +1,77 @@
+"""mxfp8_grouped_mm: `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs -> moepass::mxfp8_grouped_mm.
+
+The 2-D x 3-D form with int32 group-end offsets is the routed-experts GEMM of MoE layers
+(torchtitan, HF transformers' grouped_mm experts, our models/). Its forward, dgrad and wgrad run
+in MXFP8; token groups are padded to multiples of 32 inside the op, never visibly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import fx
+
+from moepass.graph import is_grouped_mm, module_path, node_arg, replace_node, tensor_meta
+from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem, shape_problem
+
+NAME = "mxfp8_grouped_mm"
+SUMMARY = "torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm (fwd, dgrad, wgrad MXFP8)"
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GroupedMMMatch:
+    node: fx.Node
+    x: fx.Node
+    w_t: fx.Node
+    offs: fx.Node | None
+    bias: object
+    out_dtype: object
+    module: str
+
+
+def find_grouped_mms(gm: fx.GraphModule) -> list[GroupedMMMatch]:
+    """Every grouped GEMM node, with its operands read from positional or keyword form. Pure."""
+    return [
+        GroupedMMMatch(n, n.args[0], node_arg(n, 1, "mat2", node_arg(n, 1, "mat_b")), node_arg(n, 2, "offs"),
+                       node_arg(n, 3, "bias"), node_arg(n, 4, "out_dtype"), module_path(n))
+        for n in gm.graph.nodes if is_grouped_mm(n)
+    ]
+
+
+def _problem(m: GroupedMMMatch, config) -> str | None:
+    problem = module_filter_problem(m.module, config)
+    if problem:
+        return problem
+    x, w = tensor_meta(m.x), tensor_meta(m.w_t)
+    if x is None or w is None:
+        return "operands have no recorded tensor metadata"
+    if x.dim() != 2 or w.dim() != 3 or m.offs is None:
+        return (f"{x.dim()}-D x {w.dim()}-D grouped GEMM{' without offs' if m.offs is None else ''}; "
+                "only the MoE form x[M,K] @ w_t[E,K,N] with offs is rewritten")
+    if m.bias is not None:
+        return "grouped GEMM with bias is not rewritten"
+    if m.out_dtype not in (None, torch.bfloat16):
+        return f"out_dtype={m.out_dtype} requested; the MXFP8 op returns bfloat16"
+    offs = tensor_meta(m.offs)
+    if offs is None or offs.dtype != torch.int32:
+        return f"offs is {getattr(offs, 'dtype', 'not a tensor')}, expected int32 group end offsets"
+    return dtype_problem(activation=x, weight=w) or shape_problem(w.shape[1], w.shape[2])
+
+
+def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+    op = torch.ops.moepass.mxfp8_grouped_mm.default
+    for m in find_grouped_mms(gm):
+        problem = _problem(m, config)
+        if problem:
+            record.skip(m.node, m.module, problem)
+            continue
+        kernel, why = choose_kernel(config, tensor_meta(m.x).device)
+        record.implementations[kernel] = why
+        e, k, n = tensor_meta(m.w_t).shape
+        replace_node(gm.graph, m.node, op,
+                     (m.x, m.w_t, m.offs, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel))
+        record.replace(m.node, m.module, "moepass.mxfp8_grouped_mm", f"E={e} K={k} N={n} kernel={kernel}")
+    log.debug("mxfp8_grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))

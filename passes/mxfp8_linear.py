@@ -1,0 +1,132 @@
+"""mxfp8_linear: BF16 linears -> moepass::mxfp8_linear (forward, dgrad and wgrad in MXFP8).
+
+Matches `F.linear(x, W, b)` (what nn.Linear traces to) and the equivalent `x @ W.t()` /
+`torch.matmul(x, W.transpose(0, 1))` on a 2-D parameter. By default the MoE router gate (a
+linear whose output feeds top-k selection) and the output head (the last GEMM, whose output is
+never added back into a residual stream) stay BF16, as in the MXFP8 recipes that trained at scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
+                           replace_node, tensor_meta, to_networkx)
+from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem, shape_problem
+
+NAME = "mxfp8_linear"
+SUMMARY = "BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear; router gate and output head stay BF16"
+log = logging.getLogger(__name__)
+
+_TOPK = {torch.topk, torch.ops.aten.topk, torch.ops.aten.topk.default}
+_ADD = {operator.add, operator.iadd, torch.add}
+_TRANSPOSES = {"t", "transpose", "permute", "T"}
+
+
+@dataclasses.dataclass
+class LinearMatch:
+    node: fx.Node
+    x: fx.Node
+    weight: fx.Node  # the [N, K] weight node (already un-transposed for matmul forms)
+    bias: fx.Node | None
+    module: str
+    role: str | None  # "router", "output_head" or None
+
+
+def _untransposed_weight(node) -> fx.Node | None:
+    """For `W.t()` / `W.transpose(0,1)` / `W.T` of a 2-D tensor, return W."""
+    if not isinstance(node, fx.Node):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "T":
+        name = "T"
+    if name not in _TRANSPOSES:
+        return None
+    w = node.args[0]
+    t = tensor_meta(w)
+    if t is None or t.dim() != 2:
+        return None
+    if name == "transpose" and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        return None
+    if name == "permute" and tuple(d % 2 for d in (node.args[1:] if len(node.args) > 2 else node.args[1])) != (1, 0):
+        return None
+    return w
+
+
+def _is_topk(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _TOPK) or (n.op == "call_method" and n.target == "topk")
+
+
+def _is_residual_add(n: fx.Node, numel: int) -> bool:
+    is_add = (n.op == "call_function" and n.target in _ADD) or (n.op == "call_method" and n.target in ("add", "add_"))
+    v = example_value(n)
+    return is_add and isinstance(v, torch.Tensor) and v.numel() >= numel
+
+
+def _role(g, node: fx.Node) -> str | None:
+    downstream = reaches(g, node, stop_at=is_gemm)
+    if any(_is_topk(n) for n in downstream):
+        return "router"
+    out = example_value(node)
+    numel = out.numel() if isinstance(out, torch.Tensor) else 0
+    if not any(is_gemm(n) or _is_residual_add(n, numel) for n in downstream):
+        return "output_head"
+    return None
+
+
+def find_linears(gm: fx.GraphModule) -> list[LinearMatch]:
+    """Every linear-shaped GEMM in the graph, with its role. Pure: does not touch the graph."""
+    g = to_networkx(gm.graph)
+    matches = []
+    for node in gm.graph.nodes:
+        if is_linear(node):
+            x, w, b = node.args[0], node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
+        elif is_matmul(node) and len(node.args) == 2:
+            x, w, b = node.args[0], _untransposed_weight(node.args[1]), None
+            if w is None:
+                continue  # activation @ activation (e.g. attention scores): not a linear
+        else:
+            continue
+        matches.append(LinearMatch(node, x, w, b, module_path(node), _role(g, node)))
+    return matches
+
+
+def _problem(m: LinearMatch, config) -> str | None:
+    if m.role == "router" and config["mxfp8.keep_router_bf16"]:
+        return "router gate: its output feeds top-k expert selection (kept BF16; mxfp8.keep_router_bf16)"
+    if m.role == "output_head" and config["mxfp8.keep_output_head_bf16"]:
+        return ("output head (vocabulary projection): no GEMM or residual add after it "
+                "(kept BF16; mxfp8.keep_output_head_bf16)")
+    problem = module_filter_problem(m.module, config)
+    if problem:
+        return problem
+    x, w = tensor_meta(m.x), tensor_meta(m.weight)
+    problem = dtype_problem(activation=x, weight=w) or (
+        dtype_problem(bias=tensor_meta(m.bias)) if isinstance(m.bias, fx.Node) else None)
+    if problem:
+        return problem
+    if w.dim() != 2 or x.dim() < 2:
+        return f"weight is {w.dim()}-D and activation {x.dim()}-D; expected a 2-D weight and >= 2-D activation"
+    n, k = w.shape
+    return shape_problem(k, n)
+
+
+def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+    op = torch.ops.moepass.mxfp8_linear.default
+    for m in find_linears(gm):
+        problem = _problem(m, config)
+        if problem:
+            record.skip(m.node, m.module, problem)
+            continue
+        kernel, why = choose_kernel(config, tensor_meta(m.x).device)
+        record.implementations[kernel] = why
+        n, k = tensor_meta(m.weight).shape
+        replace_node(gm.graph, m.node, op,
+                     (m.x, m.weight, m.bias, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel))
+        record.replace(m.node, m.module, "moepass.mxfp8_linear", f"K={k} N={n} kernel={kernel}")
+    log.debug("mxfp8_linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))

@@ -1,0 +1,47 @@
+"""The linear finder on small Dynamo graphs: which GEMMs are linears, and their roles."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moepass.passes.mxfp8_linear import find_linears
+
+
+class TinyMoEBlock(nn.Module):
+    """Router gate, projections with a residual add, an x @ W.T form and an attention-score matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(64, 8, bias=False)
+        self.wq = nn.Linear(64, 64, bias=False)
+        self.up = nn.Parameter(torch.randn(128, 64) * 0.02)
+        self.down = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 96, bias=False)
+
+    def forward(self, x):
+        scores = F.softmax(self.gate(x).float(), dim=-1)
+        _, idx = torch.topk(scores, 2, dim=-1)
+        q = self.wq(x)
+        att = torch.matmul(q, q.transpose(-2, -1))  # activation @ activation: not a linear
+        h = x + att @ q
+        h = h + self.down(F.silu(h @ self.up.t())) + idx.sum(-1, keepdim=True).to(h.dtype)
+        return self.head(h)
+
+
+def _roles(graphs):
+    (gm,) = graphs
+    return {m.module: m.role for m in find_linears(gm)}, find_linears(gm)
+
+
+def test_roles_router_head_and_plain(dynamo_graphs):
+    block = TinyMoEBlock().bfloat16()
+    roles, matches = _roles(dynamo_graphs(block, torch.randn(2, 16, 64, dtype=torch.bfloat16)))
+    assert roles == {"gate": "router", "wq": None, "": None, "down": None, "head": "output_head"}
+    assert len(matches) == 5  # gate, wq, x @ up.t(), down, head; the score matmuls are not linears
+    matmul_form = [m for m in matches if m.module == ""][0]
+    assert matmul_form.weight.name.endswith("up_")
+
+
+def test_no_linears_in_pure_elementwise_graph(dynamo_graphs):
+    graphs = dynamo_graphs(lambda x: torch.relu(x) * 2, torch.randn(4, 4))
+    assert find_linears(graphs[0]) == []
