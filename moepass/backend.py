@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from . import collect
-from .cache_key import SourceHashPass
+from .cache_key import CompiledGraphAudit
 from .options import Config
 from .pipeline import run_pipeline
 
@@ -34,7 +34,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
         return gm.forward  # the custom ops carry their own autograd, so eager training works too
     from torch._inductor.compile_fx import compile_fx
 
-    patches: dict = {"post_grad_custom_post_pass": SourceHashPass()}
+    patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(report.compiled)}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))
     return compile_fx(gm, example_inputs, config_patches=patches)

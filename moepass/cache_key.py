@@ -1,9 +1,13 @@
-"""Keeps the compile caches honest about moepass's own code.
+"""The post-grad graph audit that also keeps the compile caches honest about moepass's code.
+
+Inductor calls it on every post-grad graph it compiles (forward and backward), so the report
+can show which moepass ops really reached the compiled graphs: the quantized dgrad and wgrad
+GEMMs only exist in the backward graph AOTAutograd derives. It never changes a graph.
 
 A custom op's Python body and autograd formula are not part of Inductor's FX-graph cache key
-or the AOTAutograd cache key, so after editing an op a warm cache could serve the old
-kernel. Inductor does hash the `uuid()` of custom graph passes in its config, so we install a
-no-op post-grad pass whose uuid is a hash of every moepass source file.
+or the AOTAutograd cache key, so after editing an op a warm cache could serve the old code.
+Inductor does hash the `uuid()` of custom graph passes in its config: ours is a hash of every
+moepass source file. (On a cache hit the graph is not recompiled, so nothing is audited.)
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pathlib
+from collections import Counter
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -30,11 +35,26 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-class SourceHashPass(CustomGraphPass):
-    """Does nothing to the graph; exists for its uuid()."""
+def graph_kind(graph: torch.fx.Graph) -> str:
+    """AOTAutograd names the incoming gradients of a backward graph `tangents_*`."""
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    return "backward" if any(n.startswith("tangents") for n in names) else "forward"
+
+
+class CompiledGraphAudit(CustomGraphPass):
+    """Records the moepass ops (and plain GEMMs) of each compiled graph into `sink`."""
+
+    def __init__(self, sink: list | None = None):
+        self.sink = sink if sink is not None else []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
+        ops = Counter()
+        for n in graph.nodes:
+            t = n.target
+            if n.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+                if t.namespace == "moepass" or t._opname in ("mm", "addmm", "bmm", "_grouped_mm"):
+                    ops[f"{t.namespace}.{t._opname}"] += 1
+        self.sink.append({"kind": graph_kind(graph), "ops": dict(sorted(ops.items()))})
 
     def uuid(self) -> str:
         return f"moepass-{source_hash()}"

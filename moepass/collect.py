@@ -31,7 +31,9 @@ def collecting(report: Report | None = None):
     """Gather the records of every graph compiled by moepass inside the block."""
     report = report if report is not None else Report()
     _stack.append(report)
+    global _last
     try:
         yield report
     finally:
         _stack.pop()
+        _last = report

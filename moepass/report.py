@@ -63,6 +63,8 @@ class Report:
         self.config = config or {}
         self.graphs: list[GraphRecord] = []
         self.graph_breaks = 0
+        # one entry per post-grad graph Inductor compiled: {"kind": "forward"|"backward", "ops": {...}}
+        self.compiled: list[dict] = []
 
     def add_graph(self, record: GraphRecord) -> None:
         record.index = len(self.graphs)
@@ -104,6 +106,7 @@ class Report:
             "graph_breaks": self.graph_breaks,
             "ops_before": dict(sorted(self.ops_before().items())),
             "ops_after": dict(sorted(self.ops_after().items())),
+            "compiled_graphs": self.compiled,
             "config": self.config,
         }
 
@@ -164,6 +167,11 @@ class Report:
             b, a = d["ops_before"].get(op, 0), d["ops_after"].get(op, 0)
             cls = " class='changed'" if a != b else ""
             out.append(f"<tr{cls}><td><code>{e(op)}</code></td><td>{b}</td><td>{a}</td></tr>")
+        out.append("</table><h2>GEMMs in the graphs Inductor compiled (after AOTAutograd)</h2>"
+                   "<table><tr><th>#</th><th>kind</th><th>ops</th></tr>")
+        for i, c in enumerate(d["compiled_graphs"]):
+            ops = ", ".join(f"{e(k)}&times;{v}" for k, v in c["ops"].items()) or "-"
+            out.append(f"<tr><td>{i}</td><td>{c['kind']}</td><td><code>{ops}</code></td></tr>")
         out.append("</table><h2>Graphs</h2>")
         for g in self.graphs:
             final = list(g.code_after.values())[-1] if g.code_after else g.code_before

@@ -1,0 +1,203 @@
+"""Custom ops ``moepass::ep_dispatch`` / ``moepass::ep_combine``: expert-parallel token exchange.
+
+Semantics are DeepEP V1 normal mode. Two implementations sit behind one schema and are picked by the
+``backend`` string the pass bakes into the graph: "deepep" (``deep_ep.Buffer``, CUDA, NVLink) or
+"reference" (torch.distributed all_to_all_single; gloo or NCCL). The process group travels as its name,
+as in ``_c10d_functional``. Receive sizes are data dependent: the fake kernels return them as unbacked
+SymInts, and every later size is read off the handle's tensors, so one graph covers forward and backward.
+
+    ep_dispatch(x[N,H], topk_idx[N,K] int64, topk_weights[N,K] f32, num_experts, group_size, group_name, backend)
+        -> recv_x[R,H], recv_topk_idx[R,K] int64 (local id or -1), recv_topk_weights[R,K] f32 (0 where -1),
+           num_recv_tokens_per_expert[E/W] int64, handle: Tensor[]
+    ep_combine(y[R,H], handle, group_size, group_name, backend) -> [N,H]   (fp32 sum in rank order, no weights)
+    ep_dispatch_cached(x[N,H], handle, ...) -> [R,H]                     (combine's backward; reuses the layout)
+    ep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, ...) -> (grad_x, grad_topk_weights)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from moepass.ops import ep_deepep, ep_reference
+
+EP_BACKENDS = ("reference", "deepep")
+
+# Where each backend's handle keeps is_token_in_rank [N, W] and recv_src_idx [R]: the fakes read N and R there.
+_HANDLE_IS_TOKEN_IN_RANK = {"reference": ep_reference.HANDLE_IS_TOKEN_IN_RANK, "deepep": ep_deepep.HANDLE_IS_TOKEN_IN_RANK}
+_HANDLE_RECV_SRC_IDX = {"reference": ep_reference.HANDLE_RECV_SRC_IDX, "deepep": ep_deepep.HANDLE_RECV_SRC_IDX}
+
+
+def choose_ep_backend(group=None, device="cuda", num_experts: int = 0, requested: str = "auto") -> tuple[str, str]:
+    """Pick the EP implementation for one group: returns (backend, reason) for the report.
+
+    group is a ProcessGroup, a group name, or None (the default group); requested is "auto", "deepep"
+    or "reference". Requesting "deepep" where it cannot run raises RuntimeError naming the fix.
+    """
+    if requested not in ("auto", *EP_BACKENDS):
+        raise ValueError(f"EP backend must be one of 'auto', 'deepep', 'reference'; got {requested!r}")
+    if requested == "reference":
+        return "reference", "the reference backend was requested"
+    group = _resolve_process_group(group) if isinstance(group, str) else group
+    group_size = dist.get_world_size(group)
+    reason = ep_deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts)
+    if reason is None:
+        return "deepep", f"deep_ep {ep_deepep.deep_ep_version()} importable, {group_size} ranks on NVLink (intranode)"
+    if requested == "deepep":
+        raise RuntimeError(f"EP backend 'deepep' was requested but {reason}; or request the 'reference' backend")
+    return "reference", reason
+
+
+def group_args(group=None) -> tuple[int, str]:
+    """(group_size, group_name) as the ops take them, for a ProcessGroup or None (the default group)."""
+    group = group if group is not None else dist.group.WORLD
+    return group.size(), group.group_name
+
+
+def _group(group_name: str, group_size: int):
+    group = _resolve_process_group(group_name)
+    if group.size() != group_size:
+        raise ValueError(f"process group {group_name!r} has {group.size()} ranks, the op was built for {group_size}")
+    return group
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in EP_BACKENDS:
+        raise ValueError(f"EP backend must be one of {EP_BACKENDS}; got {backend!r}")
+
+
+def _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend) -> None:
+    _check_backend(backend)
+    if x.dim() != 2 or topk_idx.dim() != 2:
+        raise ValueError(f"ep_dispatch takes x [N, H] and topk_idx [N, K]; got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
+    if topk_idx.dtype != torch.int64 or topk_weights.dtype != torch.float32:
+        raise TypeError(f"topk_idx must be int64 and topk_weights float32; got {topk_idx.dtype}, {topk_weights.dtype}")
+    if num_experts <= 0 or num_experts % group_size:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the {group_size} EP ranks")
+    torch._check(topk_idx.shape[0] == x.shape[0], lambda: "topk_idx and x differ in token count")
+    torch._check(topk_weights.shape == topk_idx.shape, lambda: "topk_weights and topk_idx differ in shape")
+
+
+@torch.library.custom_op("moepass::ep_dispatch", mutates_args=())
+def ep_dispatch(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, group_size: int, group_name: str, backend: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
+    group = _group(group_name, group_size)
+    if backend == "deepep":
+        return ep_deepep.deepep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, group)
+    return ep_reference.reference_dispatch(x, topk_idx, topk_weights, num_experts, group)
+
+
+@ep_dispatch.register_fake
+def _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size, group_name, backend):
+    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
+    num_recv = torch.library.get_ctx().new_dynamic_size()
+    num_topk = topk_idx.shape[1]
+    fake_handle = ep_deepep.deepep_fake_handle if backend == "deepep" else ep_reference.reference_fake_handle
+    return (
+        x.new_empty((num_recv, x.shape[1])),
+        topk_idx.new_empty((num_recv, num_topk)),
+        topk_weights.new_empty((num_recv, num_topk)),
+        topk_idx.new_empty((num_experts // group_size,)),
+        fake_handle(x, num_recv, group_size),
+    )
+
+
+@torch.library.custom_op("moepass::ep_combine", mutates_args=())
+def ep_combine(y: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str) -> Tensor:
+    _check_backend(backend)
+    group = _group(group_name, group_size)
+    if backend == "deepep":
+        return ep_deepep.deepep_combine(y, handle, group_name, group)
+    return ep_reference.reference_combine(y, handle, group)
+
+
+@ep_combine.register_fake
+def _ep_combine_fake(y, handle, group_size, group_name, backend):
+    _check_backend(backend)
+    num_tokens = handle[_HANDLE_IS_TOKEN_IN_RANK[backend]].shape[0]
+    return y.new_empty((num_tokens, y.shape[1]))
+
+
+@torch.library.custom_op("moepass::ep_dispatch_cached", mutates_args=())
+def ep_dispatch_cached(x: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str) -> Tensor:
+    _check_backend(backend)
+    group = _group(group_name, group_size)
+    if backend == "deepep":
+        return ep_deepep.deepep_dispatch_cached(x, handle, group_name, group)
+    return ep_reference.reference_dispatch_cached(x, handle, group)
+
+
+@ep_dispatch_cached.register_fake
+def _ep_dispatch_cached_fake(x, handle, group_size, group_name, backend):
+    _check_backend(backend)
+    num_recv = handle[_HANDLE_RECV_SRC_IDX[backend]].shape[0]
+    return x.new_empty((num_recv, x.shape[1]))
+
+
+@torch.library.custom_op("moepass::ep_dispatch_backward", mutates_args=())
+def ep_dispatch_backward(
+    grad_recv_x: Tensor, grad_recv_topk_weights: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str
+) -> tuple[Tensor, Tensor]:
+    _check_backend(backend)
+    group = _group(group_name, group_size)
+    if backend == "deepep":
+        return ep_deepep.deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name, group)
+    grad_x = ep_reference.reference_combine(grad_recv_x, handle, group)
+    return grad_x, ep_reference.reference_combine(grad_recv_topk_weights, handle, group)
+
+
+@ep_dispatch_backward.register_fake
+def _ep_dispatch_backward_fake(grad_recv_x, grad_recv_topk_weights, handle, group_size, group_name, backend):
+    _check_backend(backend)
+    num_tokens = handle[_HANDLE_IS_TOKEN_IN_RANK[backend]].shape[0]
+    return (
+        grad_recv_x.new_empty((num_tokens, grad_recv_x.shape[1])),
+        grad_recv_topk_weights.new_empty((num_tokens, grad_recv_topk_weights.shape[1])),
+    )
+
+
+def _dispatch_setup_context(ctx, inputs, output):
+    x, _, _, _, group_size, group_name, backend = inputs
+    recv_topk_idx, handle = output[1], output[4]
+    ctx.save_for_backward(recv_topk_idx, *handle)
+    ctx.group = (group_size, group_name, backend)
+    ctx.hidden, ctx.x_dtype = x.shape[1], x.dtype
+
+
+def _dispatch_backward(ctx, grad_recv_x, _grad_topk_idx, grad_recv_topk_weights, _grad_counts, _grad_handle):
+    recv_topk_idx, *handle = ctx.saved_tensors
+    if grad_recv_x is None:
+        grad_recv_x = recv_topk_idx.new_zeros((recv_topk_idx.shape[0], ctx.hidden), dtype=ctx.x_dtype)
+    if not ctx.needs_input_grad[2]:
+        return ep_combine(grad_recv_x.contiguous(), handle, *ctx.group), None, None, None, None, None, None
+    if grad_recv_topk_weights is None:
+        grad_recv_topk_weights = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=recv_topk_idx.device)
+    # Forward wrote a constant 0.0 where the expert is not local, so no gradient flows from there.
+    grad_recv_topk_weights = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights, 0.0).contiguous()
+    grad_x, grad_topk_weights = ep_dispatch_backward(grad_recv_x.contiguous(), grad_recv_topk_weights, handle, *ctx.group)
+    return grad_x, None, grad_topk_weights, None, None, None, None
+
+
+def _save_handle(ctx, inputs, output):
+    _, handle, group_size, group_name, backend = inputs
+    ctx.save_for_backward(*handle)
+    ctx.group = (group_size, group_name, backend)
+
+
+def _combine_backward(ctx, grad):
+    handle = list(ctx.saved_tensors)
+    return ep_dispatch_cached(grad.contiguous(), handle, *ctx.group), [None] * len(handle), None, None, None
+
+
+def _dispatch_cached_backward(ctx, grad):
+    handle = list(ctx.saved_tensors)
+    return ep_combine(grad.contiguous(), handle, *ctx.group), [None] * len(handle), None, None, None
+
+
+ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+ep_combine.register_autograd(_combine_backward, setup_context=_save_handle)
+ep_dispatch_cached.register_autograd(_dispatch_cached_backward, setup_context=_save_handle)

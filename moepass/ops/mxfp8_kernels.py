@@ -1,0 +1,69 @@
+"""Which MXFP8 implementation can run on a device, and why: native sm_100 kernels or emulation."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+KERNELS = ("emulated", "sm100")
+EMULATED_FALLBACK = "use kernel='emulated' (torchao emulated MXFP8 numerics, runs on CPU and any CUDA GPU)"
+
+
+def check_kernel_name(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}: 'sm100' = torchao native MXFP8 kernels, "
+                         "'emulated' = torchao emulated numerics")
+
+
+@functools.cache
+def _torchao_kernels_missing() -> str | None:
+    """None when torchao's sm_100 MXFP8 kernels (CUDA, Triton, CuTeDSL) loaded, else what is missing."""
+    from torchao.prototype.moe_training.kernels.mxfp8 import quant
+    from torchao.prototype.mx_formats import kernels as mx_kernels
+
+    missing = [name for name, ok in (
+        ("torchao MXFP8 CUDA extension", mx_kernels._mxfp8_cuda_kernels_available and quant._mxfp8_cuda_kernels_available),
+        ("Triton MXFP8 cast kernels", mx_kernels._triton_kernels_available),
+        ("CuTeDSL quantize kernels (nvidia-cutlass-dsl, apache-tvm-ffi)", quant._mxfp8_cutedsl_kernels_available),
+    ) if not ok]
+    return ", ".join(missing) or None
+
+
+def _device_label(device: torch.device) -> tuple[str, tuple[int, int], str]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"cuda:{index}", (major, minor), torch.cuda.get_device_name(index)
+
+
+def choose_mxfp8_kernel(device: torch.device | str) -> tuple[str, str]:
+    """("sm100" | "emulated", reason a user can read) for MXFP8 GEMMs on `device`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "emulated", f"{device.type.upper()}: no MXFP8 tensor cores; torchao emulated numerics"
+    if not torch.cuda.is_available():
+        return "emulated", f"{device}: CUDA is not available in this process; torchao emulated numerics"
+    label, (major, minor), name = _device_label(device)
+    arch = f"sm_{major}{minor}"
+    if major != 10:  # torchao's MXFP8 kernels are built for sm_10x only (not sm_90, not sm_120)
+        return "emulated", f"{label} is {arch} ({name}); native MXFP8 needs sm_100"
+    missing = _torchao_kernels_missing()
+    if missing:
+        return "emulated", f"{label} is {arch} ({name}) but torchao MXFP8 kernels did not load: {missing}"
+    return "sm100", f"{label} is {arch} ({name}) and torchao MXFP8 kernels loaded"
+
+
+def require_kernel(kernel: str, device: torch.device) -> None:
+    """Raise unless `kernel` names a known implementation that can run on `device`."""
+    check_kernel_name(kernel)
+    if kernel == "sm100":
+        chosen, reason = choose_mxfp8_kernel(device)
+        if chosen != "sm100":
+            raise RuntimeError(f"kernel='sm100' cannot run here: {reason}. Fallback: {EMULATED_FALLBACK}.")
+
+
+def kernel_preference(kernel: str):
+    """torchao KernelPreference for a kernel name."""
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    return KernelPreference.AUTO if kernel == "sm100" else KernelPreference.EMULATED
