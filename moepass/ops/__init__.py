@@ -1,9 +1,10 @@
 """moepass custom ops: `import moepass.ops` registers every torch.ops.moepass.* op.
 
-torchao is imported lazily inside the op bodies, so importing this package stays cheap.
+MXFP8 GEMMs (mxfp8_linear, mxfp8_grouped_mm and their dgrad/wgrad ops) and expert-parallel
+dispatch/combine (ep_*). torchao is imported lazily inside the MXFP8 op bodies, so this stays cheap.
 """
 
-from . import mxfp8_grouped_mm, mxfp8_linear  # noqa: F401  (registers moepass::mxfp8_*)
+from . import ep_dispatch_combine, mxfp8_grouped_mm, mxfp8_linear  # noqa: F401  (each registers its ops)
 from .mxfp8_kernels import choose_mxfp8_kernel
 
 __all__ = ["choose_mxfp8_kernel"]

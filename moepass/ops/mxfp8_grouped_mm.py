@@ -85,7 +85,8 @@ def _check_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, scale_rounding: str,
         raise ValueError(f"mxfp8_grouped_mm_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} "
                          "must be 2-D with the same tokens")
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] == 0:
-        raise ValueError(f"mxfp8_grouped_mm_wgrad: offs must be int32 [E], E >= 1, got {offs.dtype} {tuple(offs.shape)}")
+        raise ValueError(f"mxfp8_grouped_mm_wgrad: offs must be int32 [E], E >= 1, "
+                         f"got {offs.dtype} {tuple(offs.shape)}")
     check_block_multiple("mxfp8_grouped_mm_wgrad", K=x.shape[1], N=grad_out.shape[1])
 
 

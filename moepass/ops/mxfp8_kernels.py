@@ -22,8 +22,9 @@ def _torchao_kernels_missing() -> str | None:
     from torchao.prototype.moe_training.kernels.mxfp8 import quant
     from torchao.prototype.mx_formats import kernels as mx_kernels
 
+    cuda_ext = mx_kernels._mxfp8_cuda_kernels_available and quant._mxfp8_cuda_kernels_available
     missing = [name for name, ok in (
-        ("torchao MXFP8 CUDA extension", mx_kernels._mxfp8_cuda_kernels_available and quant._mxfp8_cuda_kernels_available),
+        ("torchao MXFP8 CUDA extension", cuda_ext),
         ("Triton MXFP8 cast kernels", mx_kernels._triton_kernels_available),
         ("CuTeDSL quantize kernels (nvidia-cutlass-dsl, apache-tvm-ffi)", quant._mxfp8_cutedsl_kernels_available),
     ) if not ok]

@@ -40,7 +40,8 @@ def _check_linear(op: str, x: Tensor, weight: Tensor, scale_rounding: str, kerne
     check_bf16(op, x=x, weight=weight)
     check_strings(scale_rounding, kernel, x.device)
     if weight.dim() != 2 or x.dim() < 1:
-        raise ValueError(f"{op}: weight must be [N, K] and x [..., K], got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(f"{op}: weight must be [N, K] and x [..., K], "
+                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
 
 
 # ---- forward: y = x @ W.T (+ b) -----------------------------------------------------------------
@@ -79,7 +80,8 @@ def _check_dgrad(grad_out: Tensor, weight: Tensor, scale_rounding: str, kernel: 
     _check_linear("mxfp8_linear_dgrad", grad_out, weight, scale_rounding, kernel)
     n, k = weight.shape
     if grad_out.shape[-1] != n:
-        raise ValueError(f"mxfp8_linear_dgrad: grad_out {tuple(grad_out.shape)} does not match weight {tuple(weight.shape)}")
+        raise ValueError(f"mxfp8_linear_dgrad: grad_out {tuple(grad_out.shape)} "
+                         f"does not match weight {tuple(weight.shape)}")
     check_block_multiple("mxfp8_linear_dgrad", K=k, N=n)
 
 
