@@ -41,7 +41,8 @@ def _import_deep_ep():
         import deep_ep
     except Exception as error:  # a build against other CUDA/NCCL libraries fails here, not at find_spec
         return None, f"deep_ep is installed but fails to import ({type(error).__name__}: {error})"
-    missing = [n for n in ("get_dispatch_layout", "dispatch", "combine", "get_dispatch_config") if not hasattr(deep_ep.Buffer, n)]
+    used = ("get_dispatch_layout", "dispatch", "combine", "get_dispatch_config", "get_combine_config")
+    missing = [name for name in used if not hasattr(deep_ep.Buffer, name)]
     if missing:
         return None, f"deep_ep.Buffer lacks the V1 normal-mode API ({', '.join(missing)}); install DeepEP 1.2.x"
     return deep_ep, None
@@ -121,9 +122,8 @@ def deepep_dispatch(x, topk_idx, topk_weights, num_experts: int, group_name: str
     _check_bf16(x, "dispatch")
     buffer = _buffer(group_name, group, _hidden_bytes(x))
     topk_idx = topk_idx.to(deep_ep.topk_idx_t).contiguous()
-    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(
-        topk_idx, num_experts
-    )
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = layout
     recv_x, recv_topk_idx, recv_topk_weights, recv_counts, handle, _ = buffer.dispatch(
         x.contiguous(),
         num_tokens_per_rank=num_tokens_per_rank,

@@ -26,7 +26,10 @@ from moepass.ops import ep_deepep, ep_reference
 EP_BACKENDS = ("reference", "deepep")
 
 # Where each backend's handle keeps is_token_in_rank [N, W] and recv_src_idx [R]: the fakes read N and R there.
-_HANDLE_IS_TOKEN_IN_RANK = {"reference": ep_reference.HANDLE_IS_TOKEN_IN_RANK, "deepep": ep_deepep.HANDLE_IS_TOKEN_IN_RANK}
+_HANDLE_IS_TOKEN_IN_RANK = {
+    "reference": ep_reference.HANDLE_IS_TOKEN_IN_RANK,
+    "deepep": ep_deepep.HANDLE_IS_TOKEN_IN_RANK,
+}
 _HANDLE_RECV_SRC_IDX = {"reference": ep_reference.HANDLE_RECV_SRC_IDX, "deepep": ep_deepep.HANDLE_RECV_SRC_IDX}
 
 
@@ -71,7 +74,9 @@ def _check_backend(backend: str) -> None:
 def _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend) -> None:
     _check_backend(backend)
     if x.dim() != 2 or topk_idx.dim() != 2:
-        raise ValueError(f"ep_dispatch takes x [N, H] and topk_idx [N, K]; got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
+        raise ValueError(
+            f"ep_dispatch takes x [N, H] and topk_idx [N, K]; got {tuple(x.shape)} and {tuple(topk_idx.shape)}"
+        )
     if topk_idx.dtype != torch.int64 or topk_weights.dtype != torch.float32:
         raise TypeError(f"topk_idx must be int64 and topk_weights float32; got {topk_idx.dtype}, {topk_weights.dtype}")
     if num_experts <= 0 or num_experts % group_size:
@@ -140,7 +145,12 @@ def _ep_dispatch_cached_fake(x, handle, group_size, group_name, backend):
 
 @torch.library.custom_op("moepass::ep_dispatch_backward", mutates_args=())
 def ep_dispatch_backward(
-    grad_recv_x: Tensor, grad_recv_topk_weights: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str
+    grad_recv_x: Tensor,
+    grad_recv_topk_weights: Tensor,
+    handle: list[Tensor],
+    group_size: int,
+    group_name: str,
+    backend: str,
 ) -> tuple[Tensor, Tensor]:
     _check_backend(backend)
     group = _group(group_name, group_size)
@@ -178,7 +188,9 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_topk_idx, grad_recv_topk_weights,
         grad_recv_topk_weights = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=recv_topk_idx.device)
     # Forward wrote a constant 0.0 where the expert is not local, so no gradient flows from there.
     grad_recv_topk_weights = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights, 0.0).contiguous()
-    grad_x, grad_topk_weights = ep_dispatch_backward(grad_recv_x.contiguous(), grad_recv_topk_weights, handle, *ctx.group)
+    grad_x, grad_topk_weights = ep_dispatch_backward(
+        grad_recv_x.contiguous(), grad_recv_topk_weights, handle, *ctx.group
+    )
     return grad_x, None, grad_topk_weights, None, None, None, None
 
 

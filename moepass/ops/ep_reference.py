@@ -37,6 +37,8 @@ def reference_dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     world = group.size()
     experts_per_rank = num_experts // world
+    if topk_idx.numel() and int(topk_idx.max()) >= num_experts:
+        raise ValueError(f"topk_idx holds expert {int(topk_idx.max())}, but num_experts={num_experts}")
     routed = topk_idx >= 0
     dest_rank = torch.where(routed, topk_idx // experts_per_rank, -1)
     ranks = torch.arange(world, device=x.device)
