@@ -17,16 +17,17 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 
 import torch
 
 SUPPORTED_GROUP_SIZES = (2, 4, 8)
 MAX_LOCAL_EXPERTS = 1024  # DeepEP's NUM_MAX_LOCAL_EXPERTS
-INSTALL_HINT = "build DeepEP from source: https://github.com/deepseek-ai/DeepEP (see its README)"
+MAX_BF16_HIDDEN = 8176  # intranode dispatch stages half a row, plus an 8-byte mbarrier, in 8 KiB of shared memory
+INSTALL_HINT = "build and install it from a source checkout of https://github.com/deepseek-ai/DeepEP"
 HANDLE_RECV_SRC_IDX = 3
 HANDLE_IS_TOKEN_IN_RANK = 4
-HANDLE_LEN = 6
 
 # One Buffer per process group (keyed by group name), reused by every layer; grown, never shrunk.
 _buffers: dict[str, object] = {}
@@ -45,6 +46,8 @@ def _import_deep_ep():
     missing = [name for name in used if not hasattr(deep_ep.Buffer, name)]
     if missing:
         return None, f"deep_ep.Buffer lacks the V1 normal-mode API ({', '.join(missing)}); install DeepEP 1.2.x"
+    if "explicitly_destroy" not in inspect.signature(deep_ep.Buffer.__init__).parameters:
+        return None, "deep_ep is older than 1.2 (Buffer has no explicitly_destroy); install DeepEP 1.2.x"
     return deep_ep, None
 
 
@@ -66,7 +69,17 @@ def deep_ep_version() -> str:
     return version
 
 
-def deepep_unsupported_reason(group_size: int, device: torch.device, num_experts: int) -> str | None:
+def hidden_unsupported_reason(hidden: int) -> str | None:
+    if hidden % 16:
+        return f"hidden={hidden} is not a multiple of 16 (DeepEP copies half rows in 16-byte units)"
+    if hidden > MAX_BF16_HIDDEN:
+        return f"hidden={hidden} exceeds DeepEP's intranode limit of {MAX_BF16_HIDDEN} bf16 values"
+    return None
+
+
+def deepep_unsupported_reason(
+    group_size: int, device: torch.device, num_experts: int, hidden: int | None = None
+) -> str | None:
     """Why DeepEP cannot serve this EP group, or None when it can."""
     if device.type != "cuda":
         return f"tensors are on {device.type}; DeepEP needs CUDA GPUs"
@@ -84,7 +97,7 @@ def deepep_unsupported_reason(group_size: int, device: torch.device, num_experts
         return f"the EP group ({group_size} ranks) spans more than one node; only intranode DeepEP is wired up"
     if "PCIE" in torch.cuda.get_device_name(device).upper() and group_size > 2:
         return "PCIe GPUs have at most pairwise NVLink; DeepEP intranode needs all ranks on NVLink"
-    return None
+    return hidden_unsupported_reason(hidden) if hidden is not None else None
 
 
 def _hidden_bytes(x: torch.Tensor) -> int:
@@ -119,7 +132,7 @@ def release_deepep_buffers() -> None:
 
 def deepep_dispatch(x, topk_idx, topk_weights, num_experts: int, group_name: str, group):
     deep_ep = deep_ep_module()
-    _check_bf16(x, "dispatch")
+    check_tokens(x, "dispatch")
     buffer = _buffer(group_name, group, _hidden_bytes(x))
     topk_idx = topk_idx.to(deep_ep.topk_idx_t).contiguous()
     layout = buffer.get_dispatch_layout(topk_idx, num_experts)
@@ -138,19 +151,19 @@ def deepep_dispatch(x, topk_idx, topk_weights, num_experts: int, group_name: str
 
 
 def deepep_combine(y, handle, group_name: str, group):
-    _check_bf16(y, "combine")
+    check_tokens(y, "combine")
     combined, _, _ = _buffer(group_name, group, _hidden_bytes(y)).combine(y.contiguous(), tuple(handle))
     return combined
 
 
 def deepep_dispatch_cached(x, handle, group_name: str, group):
-    _check_bf16(x, "dispatch")
+    check_tokens(x, "dispatch")
     recv_x, *_ = _buffer(group_name, group, _hidden_bytes(x)).dispatch(x.contiguous(), handle=tuple(handle))
     return recv_x
 
 
 def deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name: str, group):
-    _check_bf16(grad_recv_x, "combine")
+    check_tokens(grad_recv_x, "combine")
     buffer = _buffer(group_name, group, _hidden_bytes(grad_recv_x))
     grad_x, grad_topk_weights, _ = buffer.combine(
         grad_recv_x.contiguous(), tuple(handle), topk_weights=grad_recv_topk_weights.contiguous()
@@ -172,6 +185,10 @@ def deepep_fake_handle(x: torch.Tensor, num_recv, group_size: int) -> list[torch
     ]
 
 
-def _check_bf16(x: torch.Tensor, what: str) -> None:
+def check_tokens(x: torch.Tensor, what: str) -> None:
+    # Checked on the host: DeepEP's own checks are device-side traps.
     if x.dtype != torch.bfloat16:
         raise TypeError(f"DeepEP {what} takes bfloat16 tokens, got {x.dtype}; use the 'reference' EP backend")
+    reason = hidden_unsupported_reason(x.shape[1])
+    if reason is not None:
+        raise ValueError(f"{reason}; use the 'reference' EP backend")

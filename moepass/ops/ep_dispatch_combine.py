@@ -33,11 +33,14 @@ _HANDLE_IS_TOKEN_IN_RANK = {
 _HANDLE_RECV_SRC_IDX = {"reference": ep_reference.HANDLE_RECV_SRC_IDX, "deepep": ep_deepep.HANDLE_RECV_SRC_IDX}
 
 
-def choose_ep_backend(group=None, device="cuda", num_experts: int = 0, requested: str = "auto") -> tuple[str, str]:
+def choose_ep_backend(
+    group, device, num_experts: int, requested: str = "auto", hidden: int | None = None
+) -> tuple[str, str]:
     """Pick the EP implementation for one group: returns (backend, reason) for the report.
 
     group is a ProcessGroup, a group name, or None (the default group); requested is "auto", "deepep"
-    or "reference". Requesting "deepep" where it cannot run raises RuntimeError naming the fix.
+    or "reference"; hidden (token width), when known, is checked against DeepEP's limits too.
+    Requesting "deepep" where it cannot run raises RuntimeError naming the fix.
     """
     if requested not in ("auto", *EP_BACKENDS):
         raise ValueError(f"EP backend must be one of 'auto', 'deepep', 'reference'; got {requested!r}")
@@ -45,7 +48,7 @@ def choose_ep_backend(group=None, device="cuda", num_experts: int = 0, requested
         return "reference", "the reference backend was requested"
     group = _resolve_process_group(group) if isinstance(group, str) else group
     group_size = dist.get_world_size(group)
-    reason = ep_deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts)
+    reason = ep_deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts, hidden)
     if reason is None:
         return "deepep", f"deep_ep {ep_deepep.deep_ep_version()} importable, {group_size} ranks on NVLink (intranode)"
     if requested == "deepep":
@@ -99,6 +102,8 @@ def ep_dispatch(
 @ep_dispatch.register_fake
 def _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size, group_name, backend):
     _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
+    if backend == "deepep":
+        ep_deepep.check_tokens(x, "dispatch")  # fail at compile time, not in a kernel
     num_recv = torch.library.get_ctx().new_dynamic_size()
     num_topk = topk_idx.shape[1]
     fake_handle = ep_deepep.deepep_fake_handle if backend == "deepep" else ep_reference.reference_fake_handle

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 HANDLE_IS_TOKEN_IN_RANK = 0
 HANDLE_RECV_SRC_IDX = 1
-HANDLE_LEN = 4
 
 
 def _all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
