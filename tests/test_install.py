@@ -1,0 +1,43 @@
+"""After `pip install`, torch.compile(backend="moepass") finds the backend with no `import moepass`."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    assert "moepass" not in sys.modules
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 1024)).bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    out = torch.compile(model, backend="moepass")(x)
+    out.float().square().mean().backward()
+    opt.step()
+    import moepass
+    report = moepass.last_report().to_dict()
+    linear = [p for p in report["passes"] if p["name"] == "mxfp8_linear"][0]
+    print("replaced", linear["replaced"], "skipped", [s["module"] for s in linear["skipped"]])
+""")
+
+
+@pytest.mark.slow
+def test_fresh_venv_install_registers_backend(tmp_path):
+    venv = tmp_path / "venv"
+    # torch and torchao come from this interpreter (a second multi-GB torch is not the point here)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", REPO],
+                   check=True, timeout=300, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([py, "-c", SCRIPT], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the two hidden linears become MXFP8; the last (no GEMM or residual after it) is the head
+    assert "replaced 2 skipped ['3']" in out.stdout, out.stdout
+    assert str(venv) in subprocess.run([py, "-c", "import moepass; print(moepass.__file__)"], capture_output=True,
+                                       text=True, cwd=tmp_path, env=env).stdout
