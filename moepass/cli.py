@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from moepass import bench, converge
+
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
@@ -127,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("options", help="print the backend's options table")
     p.set_defaults(fn=cmd_options)
+    p = sub.add_parser("bench", help="tokens/s, step time, memory and compile time per variant, side by side")
+    bench.add_arguments(p)
+    p.set_defaults(fn=bench.cmd_bench)
+    p = sub.add_parser("converge", help="BF16 vs moepass loss curves from the same seed and data; PASS/FAIL")
+    converge.add_arguments(p)
+    p.set_defaults(fn=converge.cmd_converge)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     rc = args.fn(args)

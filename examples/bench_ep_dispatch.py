@@ -1,0 +1,158 @@
+"""Expert-parallel round trip, side by side: the standard all-to-all path vs DeepEP dispatch/combine.
+
+Run on one host with N GPUs (N in 2, 4, 8 for DeepEP):
+
+    torchrun --nproc-per-node 2 examples/bench_ep_dispatch.py --out examples/results/ep_dispatch_2xH200.json
+
+Each round trip is what an MoE layer does around its experts (replaced here by the identity, so
+only layout, exchange and permutation are timed), forward and backward:
+  standard  counts -> all_to_all_single(counts) -> .tolist() splits -> token all_to_all (one row per
+            (token, expert) pair) -> expert-major permutation ... inverse permutation -> reverse
+            all_to_all -> routing weights -> scatter back to tokens   (models/expert_parallel.py)
+  deepep    moepass::ep_dispatch (one row per (token, destination rank)) -> ep_expert_major_pairs
+            -> gather ... weighted index_add per received row -> moepass::ep_combine
+  reference the deepep path's ops with the torch.distributed reference backend (what CPU runs)
+Logical bytes = (token, destination rank) rows x hidden x 2 B, dispatch + combine, as DeepEP counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
+from moepass.models import expert_parallel as standard_ep
+from moepass.ops.ep_dispatch_combine import choose_ep_backend, group_args
+
+SHAPES = {"16B": dict(hidden=2048, experts=64, topk=6), "671B": dict(hidden=7168, experts=256, topk=8)}
+
+
+def routing(tokens: int, experts: int, topk: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=g, device=device)
+    weights, ids = scores.topk(topk, dim=-1)
+    return ids, (weights / weights.sum(-1, keepdim=True)).float()
+
+
+def standard_round_trip(x, ids, weights, experts, group):
+    ep_size = dist.get_world_size(group)
+    tokens, topk = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of_slot = order // topk
+    counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
+    local, _, state = standard_ep.dispatch(x[token_of_slot], counts, group, ep_size)
+    back = standard_ep.combine(local, state, group)  # identity experts
+    weighted = back.float() * weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, token_of_slot, weighted).to(x.dtype)
+
+
+def deepep_round_trip(x, ids, weights, experts, group, backend):
+    size, name = group_args(group)
+    recv_x, recv_ids, recv_w, _, handle = torch.ops.moepass.ep_dispatch(x, ids, weights, experts, size, name, backend)
+    pair_row, pair_slot = torch.ops.moepass.ep_expert_major_pairs(recv_ids, experts // size)
+    local = recv_x[pair_row]  # identity experts
+    weighted = local.float() * recv_w.reshape(-1)[pair_slot].unsqueeze(-1)
+    per_row = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device).index_add(0, pair_row, weighted)
+    return torch.ops.moepass.ep_combine(per_row.to(x.dtype), handle, size, name, backend)
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor(statistics.median(times), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round trip is as slow as its slowest rank
+    return float(t)
+
+
+def rows_to_ranks(ids: torch.Tensor, experts: int, ranks: int) -> int:
+    rank_of = ids // (experts // ranks)
+    hit = torch.zeros(ids.shape[0], ranks, dtype=torch.bool, device=ids.device).scatter_(1, rank_of, True)
+    total = hit.sum().to(torch.int64)
+    dist.all_reduce(total)
+    return int(total)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="16B,671B")
+    p.add_argument("--tokens", default="4096,8192,16384", help="tokens per rank")
+    p.add_argument("--paths", default="standard,deepep,reference")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = dist.group.WORLD
+    rows = []
+    for shape in args.shapes.split(","):
+        s = SHAPES[shape]
+        backend, why = choose_ep_backend(group, "cuda", s["experts"], "auto")
+        for tokens in map(int, args.tokens.split(",")):
+            x = torch.randn(tokens, s["hidden"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            ids, weights = routing(tokens, s["experts"], s["topk"], seed=1000 * rank + tokens, device="cuda")
+            grad = torch.randn_like(x)
+            logical = rows_to_ranks(ids, s["experts"], world) * s["hidden"] * 2 * 2 / world  # per rank
+            row = {"shape": shape, **s, "tokens_per_rank": tokens, "ranks": world, "logical_bytes_per_rank": logical}
+            for path in args.paths.split(","):
+                if path == "deepep" and backend != "deepep":
+                    row["deepep_unavailable"] = why
+                    continue
+                fwd = {"standard": lambda: standard_round_trip(x, ids, weights, s["experts"], group),
+                       "deepep": lambda: deepep_round_trip(x, ids, weights, s["experts"], group, "deepep"),
+                       "reference": lambda: deepep_round_trip(x, ids, weights, s["experts"], group, "reference")}[path]
+                fwd_ms = time_ms(lambda: fwd(), args.warmup, args.iters)
+                fb_ms = time_ms(lambda: fwd().backward(grad), args.warmup, args.iters)
+                row[f"{path}_fwd_ms"], row[f"{path}_fwd_bwd_ms"] = fwd_ms, fb_ms
+                row[f"{path}_fwd_GBps"] = logical / fwd_ms / 1e6
+            if "deepep_fwd_ms" in row:
+                row["speedup_fwd"] = row["standard_fwd_ms"] / row["deepep_fwd_ms"]
+                row["speedup_fwd_bwd"] = row["standard_fwd_bwd_ms"] / row["deepep_fwd_bwd_ms"]
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if rank == 0:
+        print(f"\n{'shape':<6}{'tokens':>7}{'std fwd+bwd ms':>16}{'deepep fwd+bwd ms':>19}{'speedup':>9}"
+              f"{'std fwd ms':>12}{'deepep fwd ms':>15}{'speedup':>9}")
+        for r in rows:
+            print(f"{r['shape']:<6}{r['tokens_per_rank']:>7}{r.get('standard_fwd_bwd_ms', 0):>16.2f}"
+                  f"{r.get('deepep_fwd_bwd_ms', 0):>19.2f}{r.get('speedup_fwd_bwd', 0):>9.2f}"
+                  f"{r.get('standard_fwd_ms', 0):>12.2f}{r.get('deepep_fwd_ms', 0):>15.2f}{r.get('speedup_fwd', 0):>9.2f}")
+        if args.out:
+            commit = os.environ.get("MOEPASS_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+            result = {"schema": "moepass.bench_ep_dispatch/1", "gpu": torch.cuda.get_device_name(),
+                      "gpus": world, "torch": torch.__version__, "host": platform.node(), "commit": commit,
+                      "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
+                      "ep_backend_choice": why, "rows": rows}
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    from moepass.ops.ep_deepep import release_deepep_buffers
+
+    release_deepep_buffers()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

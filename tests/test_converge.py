@@ -1,0 +1,123 @@
+"""`moepass converge` end to end on CPU (tiny model, few steps) and its loss-gap arithmetic."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from moepass import converge
+
+TINY = {"n_layers": 2, "dim": 128, "inter_dim": 256, "moe_inter_dim": 64, "n_heads": 2, "kv_lora_rank": 64,
+        "vocab_size": 512}
+STEPS, WINDOW, TOLERANCE = 8, 3, 0.05
+
+
+@pytest.fixture(scope="module")
+def converge_run(tmp_path_factory):
+    """One CLI run (BF16 Inductor vs all moepass passes) on the default data: the stdlib's source."""
+    out = tmp_path_factory.mktemp("converge")
+    argv = [sys.executable, "-m", "moepass.cli", "converge", "--model-overrides", json.dumps(TINY),
+            "--batch", "2", "--seq", "32", "--steps", str(STEPS), "--window", str(WINDOW),
+            "--val-batches", "2", "--tolerance", str(TOLERANCE), "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "converge.json") as f:
+        return json.load(f), proc, out
+
+
+def test_json_schema(converge_run):
+    result, _, _ = converge_run
+    assert result["schema"] == "moepass.converge/1"
+    assert set(result["variants"]) == {"inductor", "moepass"}
+    assert result["baseline"] == "inductor" and result["window"] == WINDOW and result["tolerance"] == TOLERANCE
+    assert result["config"]["data"] == "stdlib" and result["config"]["steps"] == STEPS
+    for key in ("hardware", "versions", "commit", "command"):
+        assert key in result
+    assert result["variants"]["moepass"]["options"]["passes"] == ["deepep", "mxfp8_grouped_mm", "mxfp8_linear"]
+    assert result["variants"]["inductor"]["backend"] == "inductor"
+
+
+def test_curves_are_sane_and_start_from_the_same_model(converge_run):
+    result, _, _ = converge_run
+    curves = {n: v["loss"] for n, v in result["variants"].items()}
+    for name, v in result["variants"].items():
+        assert v["status"] == "ok", v.get("error")
+        assert len(v["loss"]) == STEPS and all(math.isfinite(x) and x > 0 for x in v["loss"])
+        assert math.isfinite(v["val_loss"]) and v["val_loss"] > 0
+        assert v["final_loss"] == pytest.approx(sum(v["loss"][-WINDOW:]) / WINDOW)
+    # same weights and same first batch: only MXFP8 rounding separates step 0
+    assert curves["moepass"][0] == pytest.approx(curves["inductor"][0], rel=0.01)
+    # the byte-level model learns something in a few steps
+    assert min(curves["inductor"][-WINDOW:]) < curves["inductor"][0]
+
+
+def test_gaps_recomputed_from_the_curves(converge_run):
+    result, _, _ = converge_run
+    base, cand = result["variants"]["inductor"]["loss"], result["variants"]["moepass"]["loss"]
+    windows = [(sum(cand[i:i + WINDOW]) / WINDOW, sum(base[i:i + WINDOW]) / WINDOW)
+               for i in range(STEPS - WINDOW + 1)]
+    gaps = [abs(c - b) / b for c, b in windows]
+    assert result["final_loss_gap_rel"] == pytest.approx(gaps[-1])
+    assert result["max_window_gap_rel"] == pytest.approx(max(gaps))
+    assert result["variants"]["moepass"]["final_loss_gap_rel"] == pytest.approx(gaps[-1])
+
+
+def test_verdict_matches_tolerance_and_exit_code(converge_run):
+    result, proc, _ = converge_run
+    assert result["pass"] == (result["final_loss_gap_rel"] <= TOLERANCE)
+    assert proc.returncode == (0 if result["pass"] else 1)
+    line = re.search(r"^(PASS|FAIL): final-loss gap ([\d.]+)%", proc.stdout, re.M)
+    assert line and line.group(1) == ("PASS" if result["pass"] else "FAIL")
+    assert float(line.group(2)) == pytest.approx(100 * result["final_loss_gap_rel"], abs=1e-3)
+
+
+def test_progress_and_plot(converge_run):
+    _, proc, out = converge_run
+    assert re.search(r"moepass +step +8/8 +loss", proc.stdout)
+    png = out / "converge.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "PNG skipped" in proc.stdout and not png.exists()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- arithmetic, no training
+
+
+def test_moving_average():
+    assert converge.moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.5, 2.5, 3.5]
+    assert converge.moving_average([5.0, 7.0], 1) == [5.0, 7.0]
+    with pytest.raises(ValueError):
+        converge.moving_average([1.0], 2)
+
+
+def test_loss_gaps_find_the_worst_window():
+    base = [4.0, 4.0, 2.0, 2.0, 2.0]
+    cand = [4.0, 4.4, 2.0, 2.0, 2.02]
+    g = converge.loss_gaps(base, cand, window=2)
+    # windows: base [4, 3, 2, 2], cand [4.2, 3.2, 2, 2.01]
+    assert g["max_window_gap_rel"] == pytest.approx(0.2 / 3) and g["max_window_gap_end_step"] == 3
+    assert g["final_loss_gap_rel"] == pytest.approx(0.005)
+
+
+def _run(loss, val=2.0):
+    return {"status": "ok", "loss": list(loss), "val_loss": val}
+
+
+def test_compare_pass_fail_and_failures():
+    base = [3.0, 2.5, 2.0, 2.0]
+    ok = converge.compare({"inductor": _run(base), "moepass": _run([3.0, 2.5, 2.01, 2.01])}, ["moepass"], 2, 0.01)
+    assert ok["pass"] and ok["final_loss_gap_rel"] == pytest.approx(0.005)
+    off = converge.compare({"inductor": _run(base), "moepass": _run([3.0, 2.5, 2.1, 2.1])}, ["moepass"], 2, 0.01)
+    assert not off["pass"] and off["final_loss_gap_rel"] == pytest.approx(0.05)
+    nan = converge.compare({"inductor": _run(base), "moepass": _run([3.0, float("nan"), 2.0, 2.0])},
+                           ["moepass"], 4, 0.01)
+    assert not nan["pass"] and math.isnan(nan["final_loss_gap_rel"])
+    failed = converge.compare({"inductor": _run(base), "moepass": {"status": "failed", "error": "x"}},
+                              ["moepass"], 2, 0.01)
+    assert not failed["pass"] and failed["final_loss_gap_rel"] is None
