@@ -46,7 +46,7 @@ def load_corpus(source: str | None = None, limit_bytes: int = 8 << 20) -> tuple[
         train, val = train[:cut], train[cut:]
     if len(train) < 2 or len(val) < 2:
         raise ValueError(f"moepass: data source {source!r} has too little text to train on")
-    return torch.frombuffer(bytes(train), dtype=torch.uint8), torch.frombuffer(bytes(val), dtype=torch.uint8)
+    return torch.frombuffer(train, dtype=torch.uint8), torch.frombuffer(val, dtype=torch.uint8)
 
 
 class Batches:
