@@ -19,6 +19,12 @@ from .pipeline import run_pipeline
 
 log = logging.getLogger(__name__)
 
+# Importing this module is what torch.compile(backend="moepass") does before tracing. EP regions
+# need host split sizes (.tolist()) and data-dependent receive sizes inside one graph, so the
+# user should not have to set these Dynamo flags themselves.
+torch._dynamo.config.capture_scalar_outputs = True
+torch._dynamo.config.capture_dynamic_output_shape_ops = True
+
 
 def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
     config = Config.from_options(options, mode)

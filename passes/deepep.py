@@ -1,18 +1,278 @@
-"""deepep: expert-parallel all-to-all regions -> moepass::ep_dispatch / ep_combine.
+"""deepep: expert-parallel all-to-all regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics).
 
-Not implemented yet (tracked as its own issue): this pass currently finds nothing and
-rewrites nothing, and says so in the report when the graph holds all-to-alls.
+A region (see moepass.ep_region) sends every (token, expert) slot as its own row and scatters the
+returned rows back to tokens. DeepEP sends a token once per destination rank and sums its rows on the
+way back, without weights. The rewrite, per region:
+
+    recv_x, recv_idx, recv_w, counts, handle = ep_dispatch(x, topk_ids, topk_weights)
+    pair_row, pair_slot = ep_expert_major_pairs(recv_idx)        # (row, local expert), expert-major
+    y = experts(recv_x[pair_row] [* w, when the original weighted before the experts], counts)   # unchanged
+    rows = zeros.index_add(0, pair_row, y.float() [* w, when it weighted after the experts])
+    result = ep_combine(rows, handle)                              # replaces the original [T, D] result
+
+Routing weights are applied where the original applied them. Products and the per-token sum stay in
+fp32 as in the original; on the reference backend the combine also sums in fp32 (so a token whose
+experts span two ranks sums in the same order as before), DeepEP combines in the model dtype.
 """
 
 from __future__ import annotations
 
+import logging
+import operator
+
+import torch
 from torch import fx
+from torch.fx.node import map_arg
+
+from moepass.ep_region import (EPRegion, between, find_ep_regions, forget_positions, is_autograd_function,
+                               is_collective, is_guard, written_buffer)
+from moepass.graph import example_value, tensor_meta
 
 NAME = "deepep"
-SUMMARY = "EP all-to-all dispatch/combine regions -> DeepEP dispatch/combine (not yet implemented)"
+SUMMARY = "EP all-to-all dispatch/combine regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics)"
+log = logging.getLogger(__name__)
 
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "all_to_all" in str(node.target):
-            record.skip(node, "", "deepep pass not implemented yet: all-to-all left as is")
+    import moepass.ops.ep_dispatch_combine  # noqa: F401  (registers the EP ops)
+    import moepass.ops.ep_permute  # noqa: F401
+    from moepass.ops.ep_dispatch_combine import choose_ep_backend
+
+    regions, skips = find_ep_regions(gm)
+    for s in skips:
+        record.skip(s.node, s.module, s.reason)
+    chosen = []
+    for region in regions:
+        shape_env = getattr(_fake_mode(region), "shape_env", None)
+        if shape_env is not None and not shape_env.allow_dynamic_output_shape_ops:
+            record.skip(region.token_a2a.node, region.module,
+                        "torch._dynamo.config.capture_dynamic_output_shape_ops is off (moepass.backend turns it on "
+                        "at import; was it reset?): the received row count could not be traced")
+            continue
+        backend, why = choose_ep_backend(region.group_name, tensor_meta(region.x).device, region.num_experts,
+                                         config["deepep.backend"])
+        if backend == "deepep" and tensor_meta(region.x).dtype != torch.bfloat16:
+            if config["deepep.backend"] == "deepep":
+                dtype = tensor_meta(region.x).dtype
+                record.skip(region.token_a2a.node, region.module,
+                            f"DeepEP takes bfloat16 tokens, x is {dtype}; use deepep.backend=reference")
+                continue
+            backend, why = "reference", f"x is {tensor_meta(region.x).dtype}; DeepEP takes bfloat16 tokens"
+        record.implementations[backend] = why
+        chosen.append((region, backend, region.token_a2a.node.name))
+    kept_counts = rewrite_regions(gm, [(region, backend) for region, backend, _ in chosen])
+    for region, backend, anchor in chosen:
+        record.replace(anchor, region.module, "moepass.ep_dispatch + moepass.ep_combine",
+                       _detail(region, backend, region.counts_a2a.node in kept_counts))
+    if chosen:
+        gm.delete_all_unused_submodules()  # the autograd.Function bodies of replaced all-to-alls
+    log.debug("deepep: %d regions rewritten, %d all-to-alls left alone", len(record.rewrites), len(record.skipped))
+
+
+def _detail(region: EPRegion, backend: str, kept_counts: bool) -> str:
+    x, ids = tensor_meta(region.x), tensor_meta(region.topk_ids)
+    detail = (f"x[{x.shape[0]},{x.shape[1]}] {str(x.dtype).removeprefix('torch.')}, top-{ids.shape[1]} of "
+              f"{region.num_experts} experts over {region.group_size} ranks (group {region.group_name!r}), "
+              f"weights {region.weights_applied.replace('_', ' ')}, backend={backend}; "
+              f"a2a forms {region.token_a2a.form}/{region.combine_a2a.form}; "
+              f"checked on {region.checked_routings} routings")
+    if kept_counts:
+        detail += "; counts all-to-all kept (its split sizes are also used outside the region)"
+    return detail
+
+
+# ---------------------------------------------------------------- the rewrite
+
+
+class _Emitter:
+    """Inserts call nodes before an anchor, with the FakeTensor values later passes read."""
+
+    def __init__(self, graph: fx.Graph, fake_mode):
+        self.graph, self.fake_mode = graph, fake_mode
+
+    def __call__(self, target, *args, method: bool = False, **kwargs) -> fx.Node:
+        node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs)
+        fake_value(node, self.fake_mode)
+        return node
+
+
+def fake_value(node: fx.Node, fake_mode) -> None:
+    """(Re)compute a node's FakeTensor value from its inputs' values; drop it when that is not possible."""
+    node.meta.pop("example_value", None)
+    if fake_mode is None or any(example_value(a) is None for a in node.all_input_nodes):
+        return
+    args, kwargs = map_arg((node.args, node.kwargs), example_value)
+    try:
+        with fake_mode:
+            value = getattr(args[0], node.target)(*args[1:], **kwargs) if node.op == "call_method" \
+                else node.target(*args, **kwargs)
+    except Exception as error:  # a later pass then sees no metadata and says so; AOTAutograd retraces anyway
+        log.debug("deepep: no fake value for %s: %r", node.name, error, exc_info=True)
+        return
+    node.meta["example_value"] = value
+    _bind_unbacked(fake_mode, node, value)
+
+
+def _bind_unbacked(fake_mode, node, value) -> None:
+    """Claim the unbacked sizes a fake kernel just made, as Dynamo does for the nodes it traces."""
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+    if fake_mode.shape_env is not None:
+        bindings = compute_unbacked_bindings(fake_mode.shape_env, value)
+        if bindings:
+            node.meta["unbacked_bindings"] = bindings
+
+
+def _fake_mode(region: EPRegion):
+    value = example_value(region.x)
+    return getattr(value, "fake_mode", None)
+
+
+def rewrite_regions(gm: fx.GraphModule, regions: list[tuple[EPRegion, str]]) -> set[fx.Node]:
+    """Replace checked regions in place, then erase what became dead.
+
+    Returns the counts all-to-alls that had to stay (their results are also used outside their region).
+    """
+    anchors = {n for region, _ in regions for n in _anchors(region)}
+    live_before = live_nodes(gm.graph, anchors)
+    forget_positions(gm.graph)
+    for region, backend in regions:
+        _rewrite_region(gm, region, backend)
+    _erase_dead(gm.graph, live_before, anchors)
+    remaining = set(gm.graph.nodes)
+    for region, _ in regions:
+        if region.token_a2a.node in remaining or region.combine_a2a.node in remaining:
+            # the finder's escape check should make this impossible; fail loudly rather than run both paths
+            raise RuntimeError(f"deepep: token or combine all-to-all of {region.module} still live after the rewrite")
+    return {region.counts_a2a.node for region, _ in regions} & remaining
+
+
+def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
+    graph = gm.graph
+    emit = _Emitter(graph, _fake_mode(region))
+    x_meta, sent_meta = tensor_meta(region.x), tensor_meta(region.token_a2a.input)
+    with graph.inserting_before(region.token_a2a.node):
+        ids = region.topk_ids
+        if tensor_meta(ids).dtype != torch.int64:
+            ids = emit("to", ids, torch.int64, method=True)
+        weights = region.topk_weights
+        if tensor_meta(weights).dtype != torch.float32:
+            weights = emit("float", weights, method=True)
+        x = region.x
+        if x_meta.dtype != sent_meta.dtype:  # the original sent rows cast to this dtype
+            x = emit("to", x, sent_meta.dtype, method=True)
+        dispatched = emit(torch.ops.moepass.ep_dispatch.default, x, ids, weights, region.num_experts,
+                          region.group_size, region.group_name, backend)
+        recv_x, recv_idx, recv_w, recv_counts, handle = (emit(operator.getitem, dispatched, i) for i in range(5))
+        pairs = emit(torch.ops.moepass.ep_expert_major_pairs.default, recv_idx, region.num_local_experts)
+        pair_row, pair_slot = emit(operator.getitem, pairs, 0), emit(operator.getitem, pairs, 1)
+        pair_in = emit(torch.index_select, recv_x, 0, pair_row)
+        pair_w = emit("unsqueeze", emit(torch.index_select, emit("reshape", recv_w, -1, method=True), 0, pair_slot),
+                      -1, method=True)
+        if region.weights_applied == "before_experts":
+            pair_in = emit("to", emit(operator.mul, emit("float", pair_in, method=True), pair_w), sent_meta.dtype,
+                           method=True)
+        counts = recv_counts
+        if tensor_meta(region.expert_counts).dtype != torch.int64:
+            counts = emit("to", counts, tensor_meta(region.expert_counts).dtype, method=True)
+    region.expert_input.replace_all_uses_with(pair_in)
+    region.expert_counts.replace_all_uses_with(counts)
+    # the experts now see P pair rows instead of the R received rows: their fake values follow
+    experts = between({pair_in, counts}, region.expert_output)
+    for n in sorted(experts, key=_positions(graph).__getitem__):
+        if n.op in ("call_function", "call_method"):
+            fake_value(n, emit.fake_mode)
+
+    out = region.tokens_out
+    with graph.inserting_before(out):
+        rows = emit("float", region.expert_output, method=True)
+        if region.weights_applied == "after_experts":
+            rows = emit(operator.mul, rows, pair_w)
+        summed = emit(torch.index_add, emit(torch.zeros_like, recv_x, dtype=torch.float32), 0, pair_row, rows)
+        if backend != "reference":  # DeepEP's combine kernels take the model dtype
+            summed = emit("to", summed, x_meta.dtype, method=True)
+        combined = emit(torch.ops.moepass.ep_combine.default, summed, handle, region.group_size, region.group_name,
+                        backend)
+        combined_dtype = torch.float32 if backend == "reference" else x_meta.dtype
+        if tensor_meta(out).dtype != combined_dtype:
+            combined = emit("to", combined, tensor_meta(out).dtype, method=True)
+    for n in (dispatched, combined):
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in out.meta:
+                n.meta.setdefault(key, out.meta[key])
+    out.replace_all_uses_with(combined)
+
+
+def _anchors(region: EPRegion) -> set[fx.Node]:
+    return {region.counts_a2a.node, region.token_a2a.node, region.combine_a2a.node}
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+# ---------------------------------------------------------------- dead code after the rewrite
+
+
+def live_nodes(graph: fx.Graph, anchors: set[fx.Node]) -> set[fx.Node]:
+    """Nodes the graph's outputs and side effects need.
+
+    Writes into a buffer live while the buffer does; a runtime guard (`_assert_scalar`) lives while
+    the host values it checks are needed for something else; collectives and `anchors` are never
+    needed for their own sake.
+    """
+    live, stack = set(), []
+
+    def mark(n):
+        if n not in live:
+            live.add(n)
+            stack.append(n)
+
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            mark(n)
+        elif n.op == "call_function" and n not in anchors and not is_collective(n) and not is_guard(n) \
+                and not is_autograd_function(n) and written_buffer(n) is None and n.is_impure():
+            mark(n)
+    while True:
+        while stack:
+            for a in stack.pop().all_input_nodes:
+                mark(a)
+        for n in graph.nodes:
+            if n in live:
+                continue
+            buffer = written_buffer(n)
+            if (buffer is not None and buffer in live) or (is_guard(n) and _guard_sources(n) <= live):
+                mark(n)
+        if not stack:
+            return live
+
+
+def _guard_sources(guard: fx.Node) -> set[fx.Node]:
+    """The host scalars a guard checks: `u0` of `_assert_scalar(u0 >= 0)`."""
+    sources, frontier = set(), list(guard.all_input_nodes)
+    while frontier:
+        n = frontier.pop()
+        if isinstance(example_value(n), torch.Tensor) or n.op == "placeholder":
+            sources.add(n)
+            continue
+        tensor_inputs = [a for a in n.all_input_nodes if isinstance(example_value(a), torch.Tensor)]
+        if tensor_inputs or not n.all_input_nodes:
+            sources.add(n)
+        else:
+            frontier.extend(n.all_input_nodes)
+    return sources
+
+
+def _erase_dead(graph: fx.Graph, live_before: set[fx.Node], anchors: set[fx.Node]) -> None:
+    """Erase what the rewrite made dead (and nothing that was already unused before it)."""
+    live = live_nodes(graph, anchors)
+
+    def erase(n):
+        for u in list(n.users):  # a dead node's users are dead too
+            erase(u)
+        graph.erase_node(n)
+
+    for n in reversed(list(graph.nodes)):
+        if n in live_before and n not in live and not getattr(n, "_erased", False):
+            erase(n)
