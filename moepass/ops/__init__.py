@@ -4,7 +4,7 @@ MXFP8 GEMMs (mxfp8_linear, mxfp8_grouped_mm and their dgrad/wgrad ops) and exper
 dispatch/combine (ep_*). torchao is imported lazily inside the MXFP8 op bodies, so this stays cheap.
 """
 
-from . import ep_dispatch_combine, mxfp8_grouped_mm, mxfp8_linear  # noqa: F401  (each registers its ops)
+from . import ep_dispatch_combine, ep_permute, mxfp8_grouped_mm, mxfp8_linear  # noqa: F401  (each registers its ops)
 from .mxfp8_kernels import choose_mxfp8_kernel
 
 __all__ = ["choose_mxfp8_kernel"]
