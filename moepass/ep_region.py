@@ -30,7 +30,7 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
-from moepass.graph import module_path, node_arg, tensor_meta
+from moepass.graph import example_value, module_path, node_arg, tensor_meta
 
 
 def _ops(namespace: str, name: str) -> set:
@@ -162,7 +162,8 @@ def _wait_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         return user
     if is_autograd_function(user):
         body = getattr(gm, user.args[0].target, None) if isinstance(user.args[0], fx.Node) else None
-        tensors = [a for a in user.args[2:] if isinstance(a, fx.Node)]
+        # Dynamo lifts the SymInt split sizes into the call as well; only tensor operands count here
+        tensors = [a for a in user.args[2:] if isinstance(a, fx.Node) and isinstance(example_value(a), torch.Tensor)]
         first = [u for u in user.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0]
         if isinstance(body, fx.GraphModule) and tensors == [node] and len(first) == 1 and _only_waits(body):
             return first[0]

@@ -417,3 +417,43 @@ def check_region_leaking_expert_output_is_left_alone(rank, world_size):
 
 def test_region_whose_expert_output_escapes_is_left_alone_with_reason(rank_pool):
     rank_pool(2).run(check_region_leaking_expert_output_is_left_alone)
+
+
+class _FromTorchTensor211(torch.autograd.Function):
+    """torch <= 2.12's wrapper around all_to_all_single_autograd's output (forward waits, backward passes)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return funcol._maybe_wrap_tensor(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _all_to_all_single_autograd_211(self, output_split_sizes, input_split_sizes, group, tag=""):
+    group_name = funcol._resolve_group_name(group, tag)
+    out = torch.ops._c10d_functional_autograd.all_to_all_single(self, output_split_sizes, input_split_sizes, group_name)
+    return _FromTorchTensor211.apply(out)
+
+
+def check_torch_211_token_exchange_form(rank, world_size):
+    """The GPU machine's torch 2.11 traces all_to_all_single_autograd to the _c10d_functional_autograd op
+    wrapped in autograd_function_apply (with the split SymInts lifted as operands); 2.13 does not."""
+    saved = funcol.all_to_all_single_autograd
+    funcol.all_to_all_single_autograd = _all_to_all_single_autograd_211
+    try:
+        model = _debug_model(n_layers=3)
+        tokens = _tokens(rank)
+        want = _run(model, tokens, compile_=False)
+        got = _run(model, tokens, {"passes": ["deepep"], "inductor": False})
+    finally:
+        funcol.all_to_all_single_autograd = saved
+    assert got[2]["ops_before"].get("autograd_function_apply") == 4, got[2]["ops_before"]
+    deepep = _deepep(got[2])
+    assert deepep["replaced"] == 2 and deepep["skipped"] == [], deepep
+    _assert_bitwise(got, want)
+
+
+def test_torch_211_token_exchange_form_is_rewritten(rank_pool):
+    rank_pool(2).run(check_torch_211_token_exchange_form, timeout_s=300)
