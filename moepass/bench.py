@@ -423,7 +423,11 @@ def hardware(device: torch.device, world: int) -> dict:
 
 
 def git_commit() -> dict:
-    """The moepass checkout's commit and whether it has uncommitted changes (nulls outside git)."""
+    """The moepass checkout's commit and whether it has uncommitted changes (nulls outside git).
+
+    MOEPASS_COMMIT names the commit where the tree has no .git (e.g. a copy sent to a GPU machine)."""
+    if os.environ.get("MOEPASS_COMMIT"):
+        return {"commit": os.environ["MOEPASS_COMMIT"], "dirty": None}
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
