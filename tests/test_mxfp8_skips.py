@@ -1,0 +1,50 @@
+"""Ineligible GEMMs are left alone with a reason a user can act on; the model still runs correctly."""
+
+import torch
+import torch.nn as nn
+
+import moepass
+
+
+class Ineligible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.odd_k = nn.Linear(48, 64, bias=False).bfloat16()      # K=48: not a multiple of 32
+        self.fp32 = nn.Linear(64, 64, bias=False)                  # float32 weights
+        self.kept = nn.Linear(64, 64, bias=False).bfloat16()       # excluded by the user's pattern
+        self.ok = nn.Linear(64, 64, bias=False).bfloat16()         # rewritten
+        self.batched = nn.Parameter(torch.randn(2, 64, 32, dtype=torch.bfloat16) * 0.1)
+
+    def forward(self, x):
+        h = self.odd_k(x)
+        h = h + self.fp32(h.float()).to(h.dtype)
+        h = h + self.kept(h)
+        h = h + self.ok(h)
+        b = torch._grouped_mm(h.view(2, -1, 64), self.batched)  # 3-D x 3-D: a batched GEMM, no offsets
+        return b.float().square().mean() + h.float().square().mean()  # (a plain .sum() hits a torch 2.13 bug: _grouped_mm backward rejects stride-0 grads)
+
+
+def test_ineligible_gemms_skipped_with_reasons_and_results_unchanged():
+    torch.manual_seed(0)
+    model = Ineligible()
+    x = torch.randn(2, 16, 48, dtype=torch.bfloat16)
+    report = moepass.inspect(model, x, options={"mxfp8.exclude": ["kept"], "mxfp8.keep_output_head_bf16": False})
+    d = {p["name"]: p for p in report.to_dict()["passes"]}
+    linear = {s["module"]: s["reason"] for s in d["mxfp8_linear"]["skipped"]}
+    assert "K=48 not a multiple of 32" in linear["odd_k"]
+    assert "torch.float32, not bfloat16" in linear["fp32"]
+    assert "excluded by mxfp8.exclude pattern 'kept'" in linear["kept"]
+    assert [r["module"] for r in d["mxfp8_linear"]["rewrites"]] == ["ok"]
+    (grouped,) = d["mxfp8_grouped_mm"]["skipped"]
+    assert "only the MoE form" in grouped["reason"]
+    out = torch.compile(model, backend="moepass", options={"mxfp8.exclude": ["kept"]})(x)
+    assert torch.isfinite(out)
+
+
+def test_include_patterns_limit_the_rewrite():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 96)).bfloat16()
+    report = moepass.inspect(model, torch.randn(8, 64, dtype=torch.bfloat16), options={"mxfp8.include": ["2"]})
+    linear = {p["name"]: p for p in report.to_dict()["passes"]}["mxfp8_linear"]
+    assert [r["module"] for r in linear["rewrites"]] == ["2"]
+    reasons = {s["module"]: s["reason"] for s in linear["skipped"]}
+    assert "matches no mxfp8.include pattern" in reasons["0"] and "output head" in reasons["3"]
