@@ -17,7 +17,9 @@ def _by_name(report):
 
 def _train_step(model, loss_fn):
     compiled = torch.compile(model, backend="moepass")
-    with moepass.collecting() as report:
+    # the report's compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
+    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         loss = loss_fn(compiled)
         loss.backward()
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
