@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     rc = args.fn(args)
-    _say(f"done in {time.perf_counter() - start:.1f} s")
+    if args.command != "options":
+        _say(f"done in {time.perf_counter() - start:.1f} s")
     return rc
 
 

@@ -55,6 +55,14 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False)),
     Option("report_dir", None, "write the report (json, code, html) here after each compiled graph",
            check=lambda v: v is None or isinstance(v, str), expects="a directory path or None"),
+    # "auto" becomes the default once its Hopper thresholds are measured (fp8_rowwise has not run on a GPU yet)
+    Option("recipe", "mxfp8", "low-precision recipe of the mxfp8_* passes: mxfp8; fp8_rowwise (Hopper, "
+           "experimental); auto = mxfp8 on sm_100+ and CPU, fp8_rowwise on sm_89/90 for large GEMMs, else BF16",
+           choices=("auto", "mxfp8", "fp8_rowwise")),
+    Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
+           "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),
+    Option("fp8_rowwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe",
+           choices=(True, False)),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),
     Option("mxfp8.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 (dgrad and forward stay MXFP8)",

@@ -1,8 +1,9 @@
-"""mxfp8_grouped_mm: `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs -> moepass::mxfp8_grouped_mm.
+"""mxfp8_grouped_mm: `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs -> moepass::mxfp8_grouped_mm
+or moepass::fp8_rowwise_grouped_mm, per the `recipe` option (moepass.fp8_recipe).
 
 The 2-D x 3-D form with int32 group-end offsets is the routed-experts GEMM of MoE layers
 (torchtitan, HF transformers' grouped_mm experts, our models/). Its forward, dgrad and wgrad run
-in MXFP8; token groups are padded to multiples of 32 inside the op, never visibly.
+in FP8 (MXFP8, or rowwise e4m3 on Hopper); token group alignment is handled inside the ops, never visibly.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import torch
 from torch import fx
 
 from moepass.graph import is_grouped_mm, module_path, node_arg, replace_node, tensor_meta
-from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem, shape_problem
+from moepass.fp8_recipe import fp8_rowwise_kernel, recipe_shape_problem, resolve_recipe
+from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem
 
 NAME = "mxfp8_grouped_mm"
-SUMMARY = "torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm (fwd, dgrad, wgrad MXFP8)"
+SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "
+           "(fwd, dgrad, wgrad in FP8, per the recipe)")
 log = logging.getLogger(__name__)
 
 
@@ -58,20 +61,32 @@ def _problem(m: GroupedMMMatch, config) -> str | None:
     offs = tensor_meta(m.offs)
     if offs is None or offs.dtype != torch.int32:
         return f"offs is {getattr(offs, 'dtype', 'not a tensor')}, expected int32 group end offsets"
-    return dtype_problem(activation=x, weight=w) or shape_problem(w.shape[1], w.shape[2])
+    return dtype_problem(activation=x, weight=w)
 
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
-    op = torch.ops.moepass.mxfp8_grouped_mm.default
     for m in find_grouped_mms(gm):
         problem = _problem(m, config)
         if problem:
             record.skip(m.node, m.module, problem)
             continue
-        kernel, why = choose_kernel(config, tensor_meta(m.x).device)
-        record.implementations[kernel] = why
+        x = tensor_meta(m.x)
         e, k, n = tensor_meta(m.w_t).shape
-        replace_node(gm.graph, m.node, op,
-                     (m.x, m.w_t, m.offs, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel))
-        record.replace(m.node, m.module, "moepass.mxfp8_grouped_mm", f"E={e} K={k} N={n} kernel={kernel}")
+        recipe, why = resolve_recipe(config["recipe"], x.device, "grouped", x.shape[0], k, n, experts=e)
+        problem = why if recipe == "bf16" else recipe_shape_problem(recipe, k, n)
+        if problem:
+            record.skip(m.node, m.module, problem)
+            continue
+        if recipe == "mxfp8":
+            kernel, kernel_why = choose_kernel(config, x.device)
+            op, args = torch.ops.moepass.mxfp8_grouped_mm.default, (
+                m.x, m.w_t, m.offs, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel)
+        else:
+            kernel, kernel_why = fp8_rowwise_kernel(config["fp8_rowwise.kernel"], x.device, grouped=True)
+            op, args = torch.ops.moepass.fp8_rowwise_grouped_mm.default, (
+                m.x, m.w_t, m.offs, config["fp8_rowwise.wgrad_bf16"], kernel)
+        record.implementations[kernel] = kernel_why
+        replace_node(gm.graph, m.node, op, args)
+        record.replace(m.node, m.module, f"moepass.{recipe}_grouped_mm",
+                       f"E={e} K={k} N={n} recipe={recipe} kernel={kernel}: {why}")
     log.debug("mxfp8_grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))

@@ -1,5 +1,7 @@
-"""mxfp8_linear: BF16 linears -> moepass::mxfp8_linear (forward, dgrad and wgrad in MXFP8).
+"""mxfp8_linear: BF16 linears -> moepass::mxfp8_linear or moepass::fp8_rowwise_linear (all three GEMMs in FP8).
 
+The `recipe` option picks the op per node (moepass.fp8_recipe): MXFP8 on sm_100 and on CPU, FP8 rowwise
+on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere.
 Matches `F.linear(x, W, b)` (what nn.Linear traces to) and the equivalent `x @ W.t()` /
 `torch.matmul(x, W.transpose(0, 1))` on a 2-D parameter. By default the MoE router gate (a
 linear whose output feeds top-k selection) and the output head (the last GEMM, whose output is
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 
 import torch
@@ -17,10 +20,12 @@ from torch import fx
 
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
                            replace_node, tensor_meta, to_networkx)
-from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem, shape_problem
+from moepass.fp8_recipe import fp8_rowwise_kernel, recipe_shape_problem, resolve_recipe
+from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem
 
 NAME = "mxfp8_linear"
-SUMMARY = "BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear; router gate and output head stay BF16"
+SUMMARY = ("BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear or fp8_rowwise_linear (per the recipe); "
+           "router gate and output head stay BF16")
 log = logging.getLogger(__name__)
 
 _TOPK = {torch.topk, torch.ops.aten.topk, torch.ops.aten.topk.default}
@@ -112,21 +117,32 @@ def _problem(m: LinearMatch, config) -> str | None:
         return problem
     if w.dim() != 2 or x.dim() < 2:
         return f"weight is {w.dim()}-D and activation {x.dim()}-D; expected a 2-D weight and >= 2-D activation"
-    n, k = w.shape
-    return shape_problem(k, n)
+    return None
 
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
-    op = torch.ops.moepass.mxfp8_linear.default
     for m in find_linears(gm):
         problem = _problem(m, config)
         if problem:
             record.skip(m.node, m.module, problem)
             continue
-        kernel, why = choose_kernel(config, tensor_meta(m.x).device)
-        record.implementations[kernel] = why
+        x = tensor_meta(m.x)
         n, k = tensor_meta(m.weight).shape
-        replace_node(gm.graph, m.node, op,
-                     (m.x, m.weight, m.bias, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel))
-        record.replace(m.node, m.module, "moepass.mxfp8_linear", f"K={k} N={n} kernel={kernel}")
+        recipe, why = resolve_recipe(config["recipe"], x.device, "linear", math.prod(x.shape[:-1]), k, n)
+        problem = why if recipe == "bf16" else recipe_shape_problem(recipe, k, n)
+        if problem:
+            record.skip(m.node, m.module, problem)
+            continue
+        if recipe == "mxfp8":
+            kernel, kernel_why = choose_kernel(config, x.device)
+            op, args = torch.ops.moepass.mxfp8_linear.default, (
+                m.x, m.weight, m.bias, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel)
+        else:
+            kernel, kernel_why = fp8_rowwise_kernel(config["fp8_rowwise.kernel"], x.device, grouped=False)
+            op, args = torch.ops.moepass.fp8_rowwise_linear.default, (
+                m.x, m.weight, m.bias, config["fp8_rowwise.wgrad_bf16"], kernel)
+        record.implementations[kernel] = kernel_why
+        replace_node(gm.graph, m.node, op, args)
+        record.replace(m.node, m.module, f"moepass.{recipe}_linear",
+                       f"K={k} N={n} recipe={recipe} kernel={kernel}: {why}")
     log.debug("mxfp8_linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))

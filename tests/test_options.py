@@ -44,3 +44,10 @@ def test_options_table_lists_every_option():
     table = options_table_markdown()
     assert all(f"`{o.key}`" in table for o in OPTIONS)
     assert issubclass(OptionsError, ValueError)
+
+
+def test_readme_options_table_is_the_generated_one():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert options_table_markdown() in readme, "README options table is stale: paste the output of `moepass options`"

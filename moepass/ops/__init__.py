@@ -1,10 +1,18 @@
 """moepass custom ops: `import moepass.ops` registers every torch.ops.moepass.* op.
 
-MXFP8 GEMMs (mxfp8_linear, mxfp8_grouped_mm and their dgrad/wgrad ops) and expert-parallel
+MXFP8 GEMMs (mxfp8_linear, mxfp8_grouped_mm and their dgrad/wgrad ops), Hopper FP8-rowwise GEMMs
+(fp8_rowwise_linear, fp8_rowwise_grouped_mm and theirs) and expert-parallel
 dispatch/combine (ep_*). torchao is imported lazily inside the MXFP8 op bodies, so this stays cheap.
 """
 
-from . import ep_dispatch_combine, ep_permute, mxfp8_grouped_mm, mxfp8_linear  # noqa: F401  (each registers its ops)
+from . import (  # noqa: F401  (each registers its ops)
+    ep_dispatch_combine,
+    ep_permute,
+    fp8_rowwise_grouped_mm,
+    fp8_rowwise_linear,
+    mxfp8_grouped_mm,
+    mxfp8_linear,
+)
 from .mxfp8_kernels import choose_mxfp8_kernel
 
 __all__ = ["choose_mxfp8_kernel"]

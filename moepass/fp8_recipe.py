@@ -1,0 +1,135 @@
+"""Which GEMM recipe a linear or grouped expert GEMM gets, and why: mxfp8, fp8_rowwise or BF16.
+
+recipe="auto": MXFP8 on sm_100 and newer (native block-scaled FP8 tensor cores); FP8 rowwise on
+sm_89/sm_90 where it measured faster than BF16 for the GEMM's shape, BF16 where quantizing would cost
+more than the faster GEMM saves; MXFP8 emulated on CPU (the reference numerics moepass is tested on).
+An explicitly requested recipe is honoured everywhere (emulated where the device has no kernels).
+Every decision comes with a reason a user can read in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .mxfp8_rules import shape_problem as mxfp8_shape_problem
+from .options import OptionsError
+
+RECIPES = ("auto", "mxfp8", "fp8_rowwise")
+ALIGN = 16  # torch._scaled_mm / _scaled_grouped_mm: K and N multiples of 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MinShape:
+    """Smallest GEMM FP8 rowwise should take over: tokens is M for a linear, M / experts for a grouped GEMM."""
+
+    k: int
+    n: int
+    tokens: int
+
+
+# Smallest shapes where FP8 rowwise (quantization included; forward, dgrad and wgrad together) beats BF16
+# on an H100/H200: examples/bench_fp8_gemms.py times each GEMM, writes the JSON and prints the
+# "suggested_min_shape" to paste here (then point THRESHOLDS_SOURCE at that JSON).
+# Until that run: a roofline estimate (quantizing reads 2 B and writes 1 B per element at ~3 TB/s, against
+# FP8 GEMMs ~1.6x faster than BF16), under which K or N below ~1024 loses to BF16.
+FP8_ROWWISE_MIN = {
+    "linear": MinShape(k=1024, n=1024, tokens=1024),
+    # each expert's weights are quantized twice per step, so its token count must amortize that
+    "grouped": MinShape(k=1024, n=1024, tokens=512),
+}
+# Where FP8_ROWWISE_MIN comes from, quoted in every reason: once measured, the JSON's path.
+THRESHOLDS_SOURCE = "roofline estimate, not yet measured (examples/bench_fp8_gemms.py measures it)"
+
+
+def example_tokens(m) -> tuple[int | None, str]:
+    """(M if known, how it was known) for an int, a SymInt from Dynamo's example values, or None."""
+    if m is None:
+        return None, "M unknown at compile time"
+    if isinstance(m, int):
+        return m, f"M={m}"
+    hint = getattr(getattr(m, "node", None), "hint", None)
+    if hint is not None:
+        return int(hint), f"M symbolic, example M={int(hint)}"
+    return None, "M data-dependent (unknown at compile time)"
+
+
+def _arch(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device this process can see, else None."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)
+
+
+def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
+                  experts: int | None = None) -> tuple[str, str]:
+    """recipe="auto": ("mxfp8" | "fp8_rowwise" | "bf16", reason) for one GEMM.
+
+    kind: "linear" (y = x @ W.T, M tokens) or "grouped" (M routed rows over `experts` groups).
+    m: int, SymInt or None; when unknown, the decision rests on K and N and the reason says so.
+    """
+    if kind not in FP8_ROWWISE_MIN:
+        raise ValueError(f"kind={kind!r} is not one of {sorted(FP8_ROWWISE_MIN)}")
+    device = torch.device(device)
+    cc = _arch(device)
+    if cc is None:
+        return "mxfp8", f"{device.type.upper()}: no FP8 tensor cores; MXFP8 numerics emulated (the reference recipe)"
+    arch = f"sm_{cc[0]}{cc[1]}"
+    if cc[0] >= 10:
+        return "mxfp8", f"{arch}: native MXFP8 (block-scaled FP8) tensor cores"
+    if cc < (8, 9):
+        return "bf16", f"left in BF16: {arch} has no FP8 tensor cores"
+    if kind == "grouped" and cc[0] != 9:
+        return "bf16", f"left in BF16: {arch} has no FP8 grouped GEMM (torch._scaled_grouped_mm rowwise needs sm_90)"
+    need = FP8_ROWWISE_MIN[kind]
+    tokens, how = example_tokens(m)
+    per = "tokens"
+    if kind == "grouped":
+        per = "tokens per expert"
+        tokens = None if tokens is None or not experts else tokens // experts
+    small = [f"{name}={value} < {least}" for name, value, least in
+             (("K", k, need.k), ("N", n, need.n), (per, tokens, need.tokens)) if value is not None and value < least]
+    if small:
+        size = f"M*K*N={tokens * k * n:.3g}" if kind == "linear" and tokens is not None else how
+        return "bf16", (f"left in BF16: too small for FP8 to win on {arch} ({', '.join(small)}; {size}); "
+                        f"thresholds: {THRESHOLDS_SOURCE}")
+    return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens} "
+                           f"({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
+
+
+def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: int, n: int,
+                   experts: int | None = None) -> tuple[str, str]:
+    """The `recipe` option applied to one GEMM: an explicit recipe is honoured, "auto" chooses."""
+    if requested not in RECIPES:
+        raise OptionsError(f"moepass: recipe={requested!r} is not one of {list(RECIPES)}")
+    if requested == "auto":
+        return choose_recipe(device, kind, m, k, n, experts)
+    return requested, f"recipe={requested!r} requested"
+
+
+def recipe_shape_problem(recipe: str, k, n) -> str | None:
+    """None when `recipe`'s kernels take K and N (MXFP8: multiples of 32, FP8 rowwise: of 16), else what to fix."""
+    if recipe == "mxfp8":
+        problem = mxfp8_shape_problem(k, n)
+    else:
+        bad = [f"{name}={v} not a multiple of {ALIGN}" for name, v in (("K", k), ("N", n))
+               if not isinstance(v, int) or v % ALIGN]
+        problem = ", ".join(bad) or None
+    return f"{recipe}: {problem}" if problem else None
+
+
+def fp8_rowwise_kernel(requested: str, device: torch.device | str, grouped: bool) -> tuple[str, str]:
+    """(kernel, reason) for the FP8-rowwise ops, honouring the `fp8_rowwise.kernel` option."""
+    from moepass.ops.fp8_rowwise_kernels import KERNELS, choose_fp8_rowwise_kernel
+
+    if requested not in ("auto", *KERNELS):
+        raise OptionsError(f"moepass: fp8_rowwise.kernel={requested!r} is not one of {['auto', *KERNELS]}")
+    best, why = choose_fp8_rowwise_kernel(device, grouped)
+    if requested == "auto" or requested == best:
+        return best, why
+    if requested == "emulated":
+        return "emulated", f"fp8_rowwise.kernel='emulated' requested ({why})"
+    raise OptionsError(f"moepass: fp8_rowwise.kernel='scaled_mm' requested but {why}. "
+                     "Use fp8_rowwise.kernel='auto' or 'emulated' on this device.")

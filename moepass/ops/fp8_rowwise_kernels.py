@@ -1,0 +1,64 @@
+"""Which FP8-rowwise implementation can run on a device, and why: torch._scaled_(grouped_)mm, or emulation.
+
+"scaled_mm": e4m3 quantization in Triton (torchao's rowwise kernels and ours), GEMMs on FP8 tensor
+cores through torch._scaled_mm (sm_89+) and torch._scaled_grouped_mm (its CUTLASS kernel is sm_90 only).
+"emulated": the same quantization in plain torch, exact dequantization, a BF16 GEMM; runs anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+KERNELS = ("emulated", "scaled_mm")
+EMULATED_FALLBACK = ("use kernel='emulated' (the same rowwise e4m3 quantization in plain torch, exact "
+                     "dequantization and a BF16 GEMM; runs on CPU and any CUDA GPU)")
+
+
+def check_kernel_name(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}: 'scaled_mm' = torch._scaled_mm / "
+                         "_scaled_grouped_mm on FP8 tensor cores, 'emulated' = the same numerics in plain torch")
+
+
+def _triton_available() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def choose_fp8_rowwise_kernel(device: torch.device | str, grouped: bool) -> tuple[str, str]:
+    """("scaled_mm" | "emulated", reason a user can read) for a linear (grouped=False) or grouped GEMM."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "emulated", f"{device.type.upper()}: no FP8 tensor cores; rowwise FP8 numerics emulated"
+    if not torch.cuda.is_available():
+        return "emulated", f"{device}: CUDA is not available in this process; rowwise FP8 numerics emulated"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    label, arch, name = f"cuda:{index}", f"sm_{major}{minor}", torch.cuda.get_device_name(index)
+    if grouped and major != 9:  # torch's rowwise FP8 grouped GEMM is a CUTLASS sm_90a kernel
+        return "emulated", f"{label} is {arch} ({name}); torch._scaled_grouped_mm rowwise needs sm_90"
+    if not grouped and (major, minor) < (8, 9):
+        return "emulated", f"{label} is {arch} ({name}); FP8 tensor cores need sm_89 or newer"
+    if not _triton_available():
+        return "emulated", f"{label} is {arch} ({name}) but Triton is unavailable for the FP8 quantization kernels"
+    gemm = "torch._scaled_grouped_mm" if grouped else "torch._scaled_mm"
+    return "scaled_mm", f"{label} is {arch} ({name}): {gemm} on FP8 tensor cores, Triton rowwise quantization"
+
+
+@functools.lru_cache(maxsize=None)
+def _choice_on(device: torch.device, grouped: bool) -> tuple[str, str]:
+    return choose_fp8_rowwise_kernel(device, grouped)
+
+
+def require_kernel(kernel: str, device: torch.device, grouped: bool) -> None:
+    """Raise unless `kernel` names a known implementation that can run on `device` (checked on every op call)."""
+    check_kernel_name(kernel)
+    if kernel == "scaled_mm":
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        chosen, reason = _choice_on(device, grouped)  # cached: a device's capability does not change
+        if chosen != "scaled_mm":
+            raise RuntimeError(f"kernel='scaled_mm' cannot run here: {reason}. Fallback: {EMULATED_FALLBACK}.")
