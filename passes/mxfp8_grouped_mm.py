@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 from moepass.graph import is_grouped_mm, module_path, node_arg, replace_node, tensor_meta
-from moepass.fp8_recipe import fp8_rowwise_kernel, recipe_shape_problem, resolve_recipe
-from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem
+from moepass.gemm_plan import plan_gemm
+from moepass.mxfp8_rules import dtype_problem, module_filter_problem
 
 NAME = "mxfp8_grouped_mm"
 SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "
@@ -72,21 +72,11 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
             continue
         x = tensor_meta(m.x)
         e, k, n = tensor_meta(m.w_t).shape
-        recipe, why = resolve_recipe(config["recipe"], x.device, "grouped", x.shape[0], k, n, experts=e)
-        problem = why if recipe == "bf16" else recipe_shape_problem(recipe, k, n)
-        if problem:
-            record.skip(m.node, m.module, problem)
+        plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e)
+        if isinstance(plan, str):
+            record.skip(m.node, m.module, plan)
             continue
-        if recipe == "mxfp8":
-            kernel, kernel_why = choose_kernel(config, x.device)
-            op, args = torch.ops.moepass.mxfp8_grouped_mm.default, (
-                m.x, m.w_t, m.offs, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel)
-        else:
-            kernel, kernel_why = fp8_rowwise_kernel(config["fp8_rowwise.kernel"], x.device, grouped=True)
-            op, args = torch.ops.moepass.fp8_rowwise_grouped_mm.default, (
-                m.x, m.w_t, m.offs, config["fp8_rowwise.wgrad_bf16"], kernel)
-        record.implementations[kernel] = kernel_why
-        replace_node(gm.graph, m.node, op, args)
-        record.replace(m.node, m.module, f"moepass.{recipe}_grouped_mm",
-                       f"E={e} K={k} N={n} recipe={recipe} kernel={kernel}: {why}")
+        record.implementations[plan.kernel] = plan.kernel_why
+        replace_node(gm.graph, m.node, plan.op, (m.x, m.w_t, m.offs, *plan.recipe_args))
+        record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"E={e} K={k} N={n} {plan.detail}")
     log.debug("mxfp8_grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))

@@ -20,8 +20,8 @@ from torch import fx
 
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
                            replace_node, tensor_meta, to_networkx)
-from moepass.fp8_recipe import fp8_rowwise_kernel, recipe_shape_problem, resolve_recipe
-from moepass.mxfp8_rules import choose_kernel, dtype_problem, module_filter_problem
+from moepass.gemm_plan import plan_gemm
+from moepass.mxfp8_rules import dtype_problem, module_filter_problem
 
 NAME = "mxfp8_linear"
 SUMMARY = ("BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear or fp8_rowwise_linear (per the recipe); "
@@ -128,21 +128,11 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
             continue
         x = tensor_meta(m.x)
         n, k = tensor_meta(m.weight).shape
-        recipe, why = resolve_recipe(config["recipe"], x.device, "linear", math.prod(x.shape[:-1]), k, n)
-        problem = why if recipe == "bf16" else recipe_shape_problem(recipe, k, n)
-        if problem:
-            record.skip(m.node, m.module, problem)
+        plan = plan_gemm(config, "linear", x.device, math.prod(x.shape[:-1]), k, n)
+        if isinstance(plan, str):
+            record.skip(m.node, m.module, plan)
             continue
-        if recipe == "mxfp8":
-            kernel, kernel_why = choose_kernel(config, x.device)
-            op, args = torch.ops.moepass.mxfp8_linear.default, (
-                m.x, m.weight, m.bias, config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel)
-        else:
-            kernel, kernel_why = fp8_rowwise_kernel(config["fp8_rowwise.kernel"], x.device, grouped=False)
-            op, args = torch.ops.moepass.fp8_rowwise_linear.default, (
-                m.x, m.weight, m.bias, config["fp8_rowwise.wgrad_bf16"], kernel)
-        record.implementations[kernel] = kernel_why
-        replace_node(gm.graph, m.node, op, args)
-        record.replace(m.node, m.module, f"moepass.{recipe}_linear",
-                       f"K={k} N={n} recipe={recipe} kernel={kernel}: {why}")
+        record.implementations[plan.kernel] = plan.kernel_why
+        replace_node(gm.graph, m.node, plan.op, (m.x, m.weight, m.bias, *plan.recipe_args))
+        record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"K={k} N={n} {plan.detail}")
     log.debug("mxfp8_linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
