@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import statistics
 import sys
 import time
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     converge.add_arguments(p)
     p.set_defaults(fn=converge.cmd_converge)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():  # torchao's CUDA extensions cannot load here; the report says what runs
+        logging.getLogger("torchao").setLevel(logging.ERROR)
     start = time.perf_counter()
     rc = args.fn(args)
     if args.command != "options":
