@@ -584,7 +584,10 @@ def cmd_bench(args) -> int:
             peak_mem_kind=PeakMemory(ranks.device).kind, variants=entries)
         write_outputs(result, args.out, "bench", plot.bench_chart)
     if ranks.world > 1:
+        from moepass.ops.ep_deepep import release_deepep_buffers
+
         dist.barrier()
+        release_deepep_buffers()  # DeepEP buffers are collective: free them before the group goes
         dist.destroy_process_group()
     return 0 if all(e["status"] == "ok" for e in entries) else 1
 
