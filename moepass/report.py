@@ -117,11 +117,15 @@ class Report:
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"
             lines.append(f"{p.name:<18} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")
-        skips = [(p.name, s) for p in self.pass_totals() for s in p.skipped]
-        if skips:
+        groups: dict[tuple[str, str], list[str]] = {}
+        for p in self.pass_totals():
+            for s in p.skipped:
+                groups.setdefault((p.name, s.reason), []).append(s.module or "<top>")
+        if groups:
             lines.append("skipped (left in BF16 / unchanged):")
-            for name, s in _dedupe_skips(skips):
-                lines.append(f"  [{name}] {s.module or '<top>'} ({s.node}): {s.reason}")
+            for (name, reason), modules in groups.items():
+                shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+                lines.append(f"  [{name}] {shown}: {reason}")
         return "\n".join(lines)
 
     def save(self, directory: str) -> str:
@@ -181,19 +185,6 @@ class Report:
                        f"<pre>{e(final)}</pre></details>")
         out.append("</body></html>")
         return "\n".join(out)
-
-
-def _dedupe_skips(skips):
-    """Collapse identical (module pattern, reason) rows so 60 layers don't print 60 lines."""
-    seen: dict[tuple, int] = {}
-    rows = []
-    for name, s in skips:
-        key = (name, s.module, s.reason)
-        if key in seen:
-            continue
-        seen[key] = 1
-        rows.append((name, s))
-    return rows
 
 
 def _diff_html(before: str, after: str) -> str:
