@@ -24,6 +24,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 from moepass.models import expert_parallel as standard_ep
 from moepass.ops.ep_dispatch_combine import choose_ep_backend, group_args
 
-SHAPES = {"16B": dict(hidden=2048, experts=64, topk=6), "671B": dict(hidden=7168, experts=256, topk=8)}
+SHAPES = {"16B": dict(hidden=2048, experts=64, topk=6), "671B": dict(hidden=7168, experts=256, topk=8),
+          "tiny": dict(hidden=64, experts=8, topk=2)}  # tiny: a CPU smoke test of the script itself
 
 
 def routing(tokens: int, experts: int, topk: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,44 +44,101 @@ def routing(tokens: int, experts: int, topk: int, seed: int, device) -> tuple[to
     return ids, (weights / weights.sum(-1, keepdim=True)).float()
 
 
-def standard_round_trip(x, ids, weights, experts, group):
+class StageMarks:
+    """Timestamps between the stages of one forward: CUDA events (no sync inside), host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+        self.mark("start")
+
+    def mark(self, stage: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((stage, event))
+        else:
+            self.marks.append((stage, time.perf_counter()))
+
+    def stage_ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {s: a.elapsed_time(b) for (_, a), (s, b) in zip(self.marks, self.marks[1:])}
+        return {s: (b - a) * 1e3 for (_, a), (s, b) in zip(self.marks, self.marks[1:])}
+
+
+def _mark(marks: StageMarks | None, stage: str) -> None:
+    if marks is not None:
+        marks.mark(stage)
+
+
+def standard_round_trip(x, ids, weights, experts, group, marks=None):
     ep_size = dist.get_world_size(group)
     tokens, topk = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of_slot = order // topk
     counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
-    local, _, state = standard_ep.dispatch(x[token_of_slot], counts, group, ep_size)
+    routed = x[token_of_slot]
+    _mark(marks, "layout+gather")
+    local, _, state = standard_ep.dispatch(routed, counts, group, ep_size)
+    _mark(marks, "dispatch (counts a2a, .tolist(), token a2a, expert-major permute)")
     back = standard_ep.combine(local, state, group)  # identity experts
+    _mark(marks, "combine (unpermute, reverse a2a)")
     weighted = back.float() * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, token_of_slot, weighted).to(x.dtype)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, token_of_slot, weighted).to(x.dtype)
+    _mark(marks, "weighted scatter to tokens")
+    return out
 
 
-def deepep_round_trip(x, ids, weights, experts, group, backend):
+def deepep_round_trip(x, ids, weights, experts, group, backend, marks=None):
     size, name = group_args(group)
     recv_x, recv_ids, recv_w, _, handle = torch.ops.moepass.ep_dispatch(x, ids, weights, experts, size, name, backend)
+    _mark(marks, "ep_dispatch")
     pair_row, pair_slot = torch.ops.moepass.ep_expert_major_pairs(recv_ids, experts // size)
+    _mark(marks, "expert-major pairs (argsort, host sync)")
     local = recv_x[pair_row]  # identity experts
+    _mark(marks, "gather pair rows")
     weighted = local.float() * recv_w.reshape(-1)[pair_slot].unsqueeze(-1)
     per_row = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device).index_add(0, pair_row, weighted)
-    return torch.ops.moepass.ep_combine(per_row.to(x.dtype), handle, size, name, backend)
+    rows = per_row.to(x.dtype)
+    _mark(marks, "weighted sum per received row (fp32)")
+    out = torch.ops.moepass.ep_combine(rows, handle, size, name, backend)
+    _mark(marks, "ep_combine")
+    return out
 
 
-def time_ms(fn, warmup: int, iters: int) -> float:
+def stage_breakdown(fwd, device, warmup: int, iters: int) -> dict[str, float]:
+    """Median forward time of each stage, slowest rank (a stage waits for its slowest peer)."""
+    for _ in range(warmup):
+        fwd(None)
+    runs = []
+    for _ in range(iters):
+        dist.barrier()
+        marks = StageMarks(device)
+        fwd(marks)
+        runs.append(marks.stage_ms())
+    return dict(zip(runs[0], slowest_rank([statistics.median(r[s] for r in runs) for s in runs[0]], device)))
+
+
+def slowest_rank(values: list[float], device: torch.device) -> list[float]:
+    """Each value's maximum over ranks: a round trip is as slow as its slowest rank."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         dist.barrier()
-        start.record()
+        marks = StageMarks(device)
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor(statistics.median(times), device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a round trip is as slow as its slowest rank
-    return float(t)
+        marks.mark("run")
+        times.append(marks.stage_ms()["run"])
+    return slowest_rank([statistics.median(times)], device)[0]
 
 
 def rows_to_ranks(ids: torch.Tensor, experts: int, ranks: int) -> int:
@@ -98,19 +157,25 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--breakdown", action="store_true", help="also time each stage of the forward round trip")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (NCCL, DeepEP where installed) or cpu (gloo: checks the script, times nothing useful)")
     args = p.parse_args()
 
-    dist.init_process_group("nccl")
+    device = torch.device(args.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     group = dist.group.WORLD
     rows = []
     for shape in args.shapes.split(","):
         s = SHAPES[shape]
-        backend, why = choose_ep_backend(group, "cuda", s["experts"], "auto")
+        backend, why = choose_ep_backend(group, device, s["experts"], "auto")
         for tokens in map(int, args.tokens.split(",")):
-            x = torch.randn(tokens, s["hidden"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
-            ids, weights = routing(tokens, s["experts"], s["topk"], seed=1000 * rank + tokens, device="cuda")
+            x = torch.randn(tokens, s["hidden"], dtype=torch.bfloat16, device=device, requires_grad=True)
+            ids, weights = routing(tokens, s["experts"], s["topk"], seed=1000 * rank + tokens, device=device)
             grad = torch.randn_like(x)
             logical = rows_to_ranks(ids, s["experts"], world) * s["hidden"] * 2 * 2 / world  # per rank
             row = {"shape": shape, **s, "tokens_per_rank": tokens, "ranks": world, "logical_bytes_per_rank": logical}
@@ -121,16 +186,25 @@ def main() -> None:
                 fwd = {"standard": lambda: standard_round_trip(x, ids, weights, s["experts"], group),
                        "deepep": lambda: deepep_round_trip(x, ids, weights, s["experts"], group, "deepep"),
                        "reference": lambda: deepep_round_trip(x, ids, weights, s["experts"], group, "reference")}[path]
-                fwd_ms = time_ms(lambda: fwd(), args.warmup, args.iters)
-                fb_ms = time_ms(lambda: fwd().backward(grad), args.warmup, args.iters)
+                fwd_ms = time_ms(lambda: fwd(), device, args.warmup, args.iters)
+                fb_ms = time_ms(lambda: fwd().backward(grad), device, args.warmup, args.iters)
                 row[f"{path}_fwd_ms"], row[f"{path}_fwd_bwd_ms"] = fwd_ms, fb_ms
                 row[f"{path}_fwd_GBps"] = logical / fwd_ms / 1e6
+                if args.breakdown:
+                    staged = {"standard": lambda m: standard_round_trip(x, ids, weights, s["experts"], group, m),
+                              "deepep": lambda m: deepep_round_trip(x, ids, weights, s["experts"], group, "deepep", m),
+                              "reference": lambda m: deepep_round_trip(x, ids, weights, s["experts"], group,
+                                                                        "reference", m)}[path]
+                    row[f"{path}_fwd_stage_ms"] = stage_breakdown(staged, x.device, args.warmup, args.iters)
             if "deepep_fwd_ms" in row:
                 row["speedup_fwd"] = row["standard_fwd_ms"] / row["deepep_fwd_ms"]
                 row["speedup_fwd_bwd"] = row["standard_fwd_bwd_ms"] / row["deepep_fwd_bwd_ms"]
             rows.append(row)
             if rank == 0:
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                for key in (k for k in row if k.endswith("_fwd_stage_ms")):
+                    print(f"  {shape} {tokens} {key.removesuffix('_fwd_stage_ms')}: " +
+                          ", ".join(f"{stage} {ms:.2f} ms" for stage, ms in row[key].items()), flush=True)
     if rank == 0:
         print(f"\n{'shape':<6}{'tokens':>7}{'std fwd+bwd ms':>16}{'deepep fwd+bwd ms':>19}{'speedup':>9}"
               f"{'std fwd ms':>12}{'deepep fwd ms':>15}{'speedup':>9}")
@@ -141,7 +215,7 @@ def main() -> None:
         if args.out:
             commit = os.environ.get("MOEPASS_COMMIT") or subprocess.run(
                 ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-            result = {"schema": "moepass.bench_ep_dispatch/1", "gpu": torch.cuda.get_device_name(),
+            result = {"schema": "moepass.bench_ep_dispatch/1", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "gpus": world, "torch": torch.__version__, "host": platform.node(), "commit": commit,
                       "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
                       "ep_backend_choice": why, "rows": rows}
