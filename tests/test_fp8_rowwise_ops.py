@@ -10,8 +10,6 @@ import math
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers the ops before moepass.ops lists them)
@@ -19,46 +17,13 @@ import moepass.ops.fp8_rowwise_linear  # noqa: F401
 from moepass import fp8_recipe
 from moepass.ops.fp8_rowwise_kernels import choose_fp8_rowwise_kernel
 from moepass.options import OPTIONS, OptionsError
+from test_mxfp8_ops import (_block_inputs, _call_targets, _recording_backend, forward_backward,
+                            grouped_inputs, linear_inputs, sqnr)
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 SQNR_BARS = (25.0, 23.0, 23.0)  # (out, grad input, grad weight) dB, the issue's bars
-
-
-def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - out.double()).norm())).item()
-
-
-# ---- inputs -------------------------------------------------------------------------------------
-
-def linear_inputs(x_shape, n, seed, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    k = x_shape[-1]
-    x = torch.randn(*x_shape, generator=gen).to(device, BF16)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, BF16)
-    grad_out = torch.randn(*x_shape[:-1], n, generator=gen).to(device, BF16)
-    return x, w, grad_out
-
-
-def grouped_inputs(group_sizes, k, n, seed, device="cpu", trailing_tokens=0):
-    """x [M, K], w_t = w.transpose(-2, -1) as models pass it, offs int32, grad_out [M, N]."""
-    gen = torch.Generator().manual_seed(seed)
-    m = sum(group_sizes) + trailing_tokens
-    x = torch.randn(m, k, generator=gen).to(device, BF16)
-    w_t = (torch.randn(len(group_sizes), n, k, generator=gen) / k**0.5).to(device, BF16).transpose(-2, -1)
-    offs = torch.tensor(group_sizes).cumsum(0).to(device, torch.int32)
-    grad_out = torch.randn(m, n, generator=gen).to(device, BF16)
-    return x, w_t, offs, grad_out
-
-
-def forward_backward(fn, grad_out, *tensors):
-    """fn(*leaves) and d(fn . grad_out)/d(leaves) for fresh leaf copies of `tensors` (None passes through)."""
-    leaves = [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
-    out = fn(*leaves)
-    out.backward(grad_out)
-    return (out.detach(), *[t.grad for t in leaves if t is not None and t.is_floating_point()])
 
 
 def op_linear(x, w, grad_out, wgrad_bf16=False, kernel="emulated"):
@@ -328,28 +293,6 @@ def test_opcheck(name):
 def _moe_block(x, w, bias, w_t, offs, wgrad_bf16):
     h = ops.fp8_rowwise_linear(x, w, bias, wgrad_bf16, "emulated")
     return ops.fp8_rowwise_grouped_mm(h.reshape(-1, h.shape[-1]), w_t, offs, wgrad_bf16, "emulated")
-
-
-def _block_inputs(seed):
-    x, w, _ = linear_inputs((2, 20, 64), 64, seed=seed)
-    _, w_t, offs, g = grouped_inputs([5, 0, 30], 64, 32, seed=seed + 1, trailing_tokens=5)
-    return x, w, torch.randn(64).to(BF16), w_t, offs, g
-
-
-def _recording_backend(graphs):
-    def compiler(kind):
-        def record(gm, example_inputs):
-            graphs[kind] = gm
-            return make_boxed_func(gm.forward)
-        return record
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
-    return backend
-
-
-def _call_targets(gm):
-    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
 @pytest.mark.parametrize("wgrad_bf16", [False, True])
