@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
+from moepass.bench import git_commit
 from moepass.models import expert_parallel as standard_ep
 from moepass.ops.ep_dispatch_combine import choose_ep_backend, group_args
 
@@ -213,8 +213,7 @@ def main() -> None:
                   f"{r.get('deepep_fwd_bwd_ms', 0):>19.2f}{r.get('speedup_fwd_bwd', 0):>9.2f}"
                   f"{r.get('standard_fwd_ms', 0):>12.2f}{r.get('deepep_fwd_ms', 0):>15.2f}{r.get('speedup_fwd', 0):>9.2f}")
         if args.out:
-            commit = os.environ.get("MOEPASS_COMMIT") or subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+            commit = git_commit()["commit"]
             result = {"schema": "moepass.bench_ep_dispatch/1", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "gpus": world, "torch": torch.__version__, "host": platform.node(), "commit": commit,
                       "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),

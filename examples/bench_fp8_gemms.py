@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import itertools
 import json
-import os
 import pathlib
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,6 +31,7 @@ import torch
 
 import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
 import moepass.ops.fp8_rowwise_linear  # noqa: F401
+from moepass.bench import git_commit, package_version
 from moepass import fp8_recipe
 from moepass.ops import fp8_rowwise_quant as quant
 from moepass.ops.fp8_rowwise_grouped_mm import FAST_ACCUM as GROUPED_FAST_ACCUM
@@ -267,24 +265,6 @@ def suggest_min_shape(rows: list[dict], tokens_key: str) -> dict:
 
 # ---- provenance and main ------------------------------------------------------------------------------
 
-def commit() -> str | None:
-    if os.environ.get("MOEPASS_COMMIT"):
-        return os.environ["MOEPASS_COMMIT"]
-    try:
-        root = pathlib.Path(__file__).resolve().parent
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="examples/results/fp8_gemms_h200.json")
@@ -300,8 +280,8 @@ def main() -> int:
     cc = torch.cuda.get_device_capability()
     result = {
         "schema": SCHEMA, "gpu": torch.cuda.get_device_name(), "capability": f"sm_{cc[0]}{cc[1]}",
-        "torch": torch.__version__, "torchao": version("torchao"), "triton": version("triton"),
-        "cuda": torch.version.cuda, "commit": commit(),
+        "torch": torch.__version__, "torchao": package_version("torchao"), "triton": package_version("triton"),
+        "cuda": torch.version.cuda, "commit": git_commit()["commit"],
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"tokens": args.tokens, "iters": args.iters, "warmup": args.warmup,

@@ -388,7 +388,8 @@ def add_speedups(entries: list[dict], baseline: str = BASELINE) -> str | None:
 # ---------------------------------------------------------------- provenance
 
 
-def _version(dist_name: str) -> str | None:
+def package_version(dist_name: str) -> str | None:
+    """The installed version of a distribution, or None."""
     try:
         return importlib.metadata.version(dist_name)
     except importlib.metadata.PackageNotFoundError:
@@ -396,14 +397,14 @@ def _version(dist_name: str) -> str | None:
 
 
 def versions() -> dict:
-    deep_ep = _version("deep_ep") or _version("deep-ep")
+    deep_ep = package_version("deep_ep") or package_version("deep-ep")
     if deep_ep is None:
         try:
             deep_ep = getattr(importlib.import_module("deep_ep"), "__version__", "unknown")
         except Exception:  # noqa: BLE001 - absent or unloadable: report null
             deep_ep = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "torchao": _version("torchao"),
-            "deep_ep": deep_ep, "moepass": _version("moepass"), "cuda": torch.version.cuda}
+    return {"python": platform.python_version(), "torch": torch.__version__, "torchao": package_version("torchao"),
+            "deep_ep": deep_ep, "moepass": package_version("moepass"), "cuda": torch.version.cuda}
 
 
 def hardware(device: torch.device, world: int) -> dict:
