@@ -93,8 +93,7 @@ def written_buffer(node: fx.Node) -> fx.Node | None:
 
 
 def _is_scalar_valued(node: fx.Node) -> bool:
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return not isinstance(v, torch.Tensor)
+    return not isinstance(example_value(node), torch.Tensor)
 
 
 def _index_meta(node) -> torch.Tensor | None:

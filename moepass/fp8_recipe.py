@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from .mxfp8_rules import shape_problem as mxfp8_shape_problem
+from .mxfp8_rules import shape_problem
 from .options import OptionsError
 
 RECIPES = ("auto", "mxfp8", "fp8_rowwise")
@@ -111,12 +111,7 @@ def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: 
 
 def recipe_shape_problem(recipe: str, k, n) -> str | None:
     """None when `recipe`'s kernels take K and N (MXFP8: multiples of 32, FP8 rowwise: of 16), else what to fix."""
-    if recipe == "mxfp8":
-        problem = mxfp8_shape_problem(k, n)
-    else:
-        bad = [f"{name}={v} not a multiple of {ALIGN}" for name, v in (("K", k), ("N", n))
-               if not isinstance(v, int) or v % ALIGN]
-        problem = ", ".join(bad) or None
+    problem = shape_problem(k, n) if recipe == "mxfp8" else shape_problem(k, n, multiple=ALIGN)
     return f"{recipe}: {problem}" if problem else None
 
 

@@ -31,9 +31,10 @@ def dtype_problem(**tensors: torch.Tensor | None) -> str | None:
     return None
 
 
-def shape_problem(k: int, n: int) -> str | None:
-    bad = [f"{name}={v} not a multiple of {BLOCK}" for name, v in (("K", k), ("N", n))
-           if not isinstance(v, int) or v % BLOCK]
+def shape_problem(k: int, n: int, multiple: int = BLOCK) -> str | None:
+    """None when K and N are multiples of `multiple` (the kernels' alignment), else what is off."""
+    bad = [f"{name}={v} not a multiple of {multiple}" for name, v in (("K", k), ("N", n))
+           if not isinstance(v, int) or v % multiple]
     return ", ".join(bad) if bad else None
 
 
