@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import check_aligned, check_bf16, check_kernel, check_offs
+from .fp8_rowwise_args import check_aligned, check_kernel
+from .gemm_args import check_bf16, check_offs
 
 FAST_ACCUM = True  # torchao's _Float8GroupedMM runs all three grouped GEMMs with fast accumulation
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import ALIGN, check_aligned, check_bf16, check_kernel
+from .fp8_rowwise_args import ALIGN, check_aligned, check_kernel
+from .gemm_args import check_bf16
 
 # torchao Float8Linear's rowwise defaults: fast accumulation only where the reduction is over K of the
 # forward; the gradients reduce over N or over all tokens and keep CUTLASS's fp32 promotion.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .gemm_args import check_multiple
 from .mxfp8_kernels import require_kernel
 
 BLOCK_SIZE = 32  # MXFP8: one E8M0 scale per 32 e4m3 elements
@@ -16,18 +17,8 @@ def check_scale_rounding(scale_rounding: str) -> None:
                          "(torchao ScaleCalculationMode RCEIL / FLOOR)")
 
 
-def check_bf16(op: str, **tensors: torch.Tensor | None) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.dtype != torch.bfloat16:
-            raise ValueError(f"{op}: {name} is {t.dtype}; MXFP8 ops take torch.bfloat16 only "
-                             "(the pass only rewrites bf16 GEMMs: cast to bf16 or leave this GEMM unrewritten)")
-
-
 def check_block_multiple(op: str, **dims: int) -> None:
-    for name, size in dims.items():
-        if size % BLOCK_SIZE != 0:
-            raise ValueError(f"{op}: {name}={size} is not a multiple of {BLOCK_SIZE} (the MXFP8 scale block); "
-                             f"pad {name} to a multiple of {BLOCK_SIZE} or leave this GEMM in BF16")
+    check_multiple(op, BLOCK_SIZE, "the MXFP8 scale block", **dims)
 
 
 def check_strings(scale_rounding: str, kernel: str, device: torch.device) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .mxfp8_args import BLOCK_SIZE, check_bf16, check_block_multiple, check_strings, scale_mode
+from .gemm_args import check_bf16, check_offs
+from .mxfp8_args import BLOCK_SIZE, check_block_multiple, check_strings, scale_mode
 from .mxfp8_kernels import kernel_preference
 from .mxfp8_token_groups import pad_token_groups, plan_token_group_padding, unpad_token_groups
 
@@ -22,9 +23,7 @@ def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor
     if tokens.dim() != 2 or w_t.dim() != 3 or offs.dim() != 1:
         raise ValueError(f"{op}: expected {name} [M, D], w_t [E, K, N] and offs [E], got {tuple(tokens.shape)}, "
                          f"{tuple(w_t.shape)}, {tuple(offs.shape)}")
-    if offs.dtype != torch.int32 or offs.shape[0] != w_t.shape[0] or w_t.shape[0] == 0:
-        raise ValueError(f"{op}: offs must be int32 [E] cumulative group ends with E={w_t.shape[0]} >= 1, "
-                         f"got {offs.dtype} {tuple(offs.shape)}")
+    check_offs(op, offs, w_t.shape[0])
     dim = 1 if name == "x" else 2
     if tokens.shape[1] != w_t.shape[dim]:
         raise ValueError(f"{op}: {name} {tuple(tokens.shape)} does not match w_t {tuple(w_t.shape)} "
@@ -84,9 +83,7 @@ def _check_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, scale_rounding: str,
     if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
         raise ValueError(f"mxfp8_grouped_mm_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} "
                          "must be 2-D with the same tokens")
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] == 0:
-        raise ValueError(f"mxfp8_grouped_mm_wgrad: offs must be int32 [E], E >= 1, "
-                         f"got {offs.dtype} {tuple(offs.shape)}")
+    check_offs("mxfp8_grouped_mm_wgrad", offs)
     check_block_multiple("mxfp8_grouped_mm_wgrad", K=x.shape[1], N=grad_out.shape[1])
 
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mxfp8_args import BLOCK_SIZE, check_bf16, check_block_multiple, check_strings, scale_mode
+from .gemm_args import check_bf16
+from .mxfp8_args import BLOCK_SIZE, check_block_multiple, check_strings, scale_mode
 from .mxfp8_kernels import kernel_preference
 
 E4M3 = torch.float8_e4m3fn
