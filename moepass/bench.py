@@ -508,8 +508,8 @@ def write_outputs(result: dict, out_dir: str, stem: str, plot_fn) -> None:
 # ---------------------------------------------------------------- command line
 
 
-def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, batch: int, seq: int) -> None:
-    """Model, data and training flags shared by bench and converge."""
+def add_model_flags(p: argparse.ArgumentParser, *, batch: int, seq: int) -> None:
+    """Which model, on which device, and the batch shape: shared by every command that builds a model."""
     p.add_argument("--flavor", default="debug", help="models/ flavor: debug, 16B, 236B, 671B (default: debug)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--model-overrides", default=None, help='JSON dict of config overrides, e.g. \'{"dim": 512}\'')
@@ -520,6 +520,11 @@ def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, batch: int, s
     p.add_argument("--batch", type=int, default=batch, help="sequences per step (per rank)")
     p.add_argument("--seq", type=int, default=seq)
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, steps: int, batch: int, seq: int) -> None:
+    """Model, data and training flags shared by bench and converge."""
+    add_model_flags(p, batch=batch, seq=seq)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--data", default=None, help="text file or directory (default: the Python stdlib's source)")

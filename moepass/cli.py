@@ -20,14 +20,7 @@ def _say(msg: str) -> None:
 
 
 def _build(args, device):
-    from moepass.models import build_model
-
-    overrides = json.loads(args.model_overrides) if args.model_overrides else {}
-    if args.layers is not None:
-        overrides["n_layers"] = args.layers
-    torch.manual_seed(args.seed)
-    model = build_model(args.flavor, **overrides)
-    return model.to(device)
+    return bench.model_spec(args).build(args.seed, device)
 
 
 def _options(args) -> dict:
@@ -105,13 +98,7 @@ def cmd_demo(args) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser, steps: int | None = None) -> None:
-    p.add_argument("--flavor", default="debug", help="models/ flavor: debug, 16B, 236B, 671B (default: debug)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    p.add_argument("--model-overrides", default=None, help='JSON dict of config overrides, e.g. \'{"dim": 512}\'')
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    bench.add_model_flags(p, batch=4, seq=128)
     p.add_argument("--options", default=None, help='backend options as JSON, e.g. \'{"mxfp8.wgrad_bf16": true}\'')
     p.add_argument("--out", default=None, help="directory for the report (json, code, html)")
     if steps is not None:
