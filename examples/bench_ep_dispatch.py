@@ -9,9 +9,14 @@ only layout, exchange and permutation are timed), forward and backward:
   standard  counts -> all_to_all_single(counts) -> .tolist() splits -> token all_to_all (one row per
             (token, expert) pair) -> expert-major permutation ... inverse permutation -> reverse
             all_to_all -> routing weights -> scatter back to tokens   (models/expert_parallel.py)
-  deepep    moepass::ep_dispatch (one row per (token, destination rank)) -> ep_expert_major_pairs
-            -> gather ... weighted index_add per received row -> moepass::ep_combine
+  deepep    what the deepep pass emits: moepass::ep_dispatch (one row per (token, destination rank))
+            -> ep_expert_major_pairs -> ep_pairs_gather ... ep_pairs_sum (weighted, per received row)
+            -> moepass::ep_combine
+  deepep_index_add  the same exchange with the permutation the pass emitted before ep_pairs_*
+            (index_select, then an fp32 index_add per received row): the before/after of that change
   reference the deepep path's ops with the torch.distributed reference backend (what CPU runs)
+By default every path is compiled as a model would be (backend "moepass" with no passes: Inductor plus
+moepass's decompositions of its ops); --eager times the ops as they run without torch.compile.
 Logical bytes = (token, destination rank) rows x hidden x 2 B, dispatch + combine, as DeepEP counts them.
 """
 
@@ -28,8 +33,9 @@ import time
 import torch
 import torch.distributed as dist
 
+import moepass.backend  # noqa: F401  (the "moepass" backend; Dynamo flags for .tolist() splits)
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
-from moepass.bench import git_commit
+from moepass.bench import git_commit, profile_table
 from moepass.models import expert_parallel as standard_ep
 from moepass.ops.ep_dispatch_combine import choose_ep_backend, group_args
 
@@ -95,6 +101,21 @@ def deepep_round_trip(x, ids, weights, experts, group, backend, marks=None):
     size, name = group_args(group)
     recv_x, recv_ids, recv_w, _, handle = torch.ops.moepass.ep_dispatch(x, ids, weights, experts, size, name, backend)
     _mark(marks, "ep_dispatch")
+    _, pair_slot = torch.ops.moepass.ep_expert_major_pairs(recv_ids, experts // size)
+    _mark(marks, "expert-major pairs (argsort, host sync)")
+    local = torch.ops.moepass.ep_pairs_gather(recv_x, pair_slot, ids.shape[1], None)  # identity experts
+    _mark(marks, "gather pair rows")
+    rows = torch.ops.moepass.ep_pairs_sum(local, pair_slot, recv_x.shape[0], ids.shape[1], recv_w, x.dtype, False)
+    _mark(marks, "weighted sum per received row")
+    out = torch.ops.moepass.ep_combine(rows, handle, size, name, backend)
+    _mark(marks, "ep_combine")
+    return out
+
+
+def deepep_index_add_round_trip(x, ids, weights, experts, group, backend, marks=None):
+    size, name = group_args(group)
+    recv_x, recv_ids, recv_w, _, handle = torch.ops.moepass.ep_dispatch(x, ids, weights, experts, size, name, backend)
+    _mark(marks, "ep_dispatch")
     pair_row, pair_slot = torch.ops.moepass.ep_expert_major_pairs(recv_ids, experts // size)
     _mark(marks, "expert-major pairs (argsort, host sync)")
     local = recv_x[pair_row]  # identity experts
@@ -102,14 +123,32 @@ def deepep_round_trip(x, ids, weights, experts, group, backend, marks=None):
     weighted = local.float() * recv_w.reshape(-1)[pair_slot].unsqueeze(-1)
     per_row = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device).index_add(0, pair_row, weighted)
     rows = per_row.to(x.dtype)
-    _mark(marks, "weighted sum per received row (fp32)")
+    _mark(marks, "weighted sum per received row (fp32 index_add)")
     out = torch.ops.moepass.ep_combine(rows, handle, size, name, backend)
     _mark(marks, "ep_combine")
     return out
 
 
+def round_trip(path: str):
+    """(function(x, ids, weights, experts, group, marks), EP backend it needs or None)."""
+    if path == "standard":
+        return standard_round_trip, None
+    backend = "reference" if path == "reference" else "deepep"
+    fn = deepep_index_add_round_trip if path == "deepep_index_add" else deepep_round_trip
+    return (lambda x, ids, weights, experts, group, marks=None: fn(x, ids, weights, experts, group, backend, marks),
+            backend)
+
+
+def compiled(fn):
+    # dynamic: receive sizes differ per call; the stage marks (CUDA events) break the graph into stages
+    return torch.compile(fn, backend="moepass", options={"passes": []}, dynamic=True)
+
+
 def stage_breakdown(fwd, device, warmup: int, iters: int) -> dict[str, float]:
-    """Median forward time of each stage, slowest rank (a stage waits for its slowest peer)."""
+    """Median forward time of each stage, slowest rank (a stage waits for its slowest peer).
+
+    Run on the uncompiled ops: CUDA events between stages would split a compiled graph into stages.
+    """
     for _ in range(warmup):
         fwd(None)
     runs = []
@@ -141,6 +180,19 @@ def time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
     return slowest_rank([statistics.median(times)], device)[0]
 
 
+def top_kernels(fn, device: torch.device, iters: int = 3) -> list[dict]:
+    """This rank's top kernels by device time over `iters` runs (per run: self_us / iters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return [{**r, "self_us_per_run": r["self_us"] / iters} for r in profile_table(prof, device, top=12)]
+
+
 def rows_to_ranks(ids: torch.Tensor, experts: int, ranks: int) -> int:
     rank_of = ids // (experts // ranks)
     hit = torch.zeros(ids.shape[0], ranks, dtype=torch.bool, device=ids.device).scatter_(1, rank_of, True)
@@ -153,11 +205,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="16B,671B")
     p.add_argument("--tokens", default="4096,8192,16384", help="tokens per rank")
-    p.add_argument("--paths", default="standard,deepep,reference")
+    p.add_argument("--paths", default="standard,deepep,deepep_index_add,reference")
+    p.add_argument("--eager", action="store_true", help="time the ops without torch.compile")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
-    p.add_argument("--breakdown", action="store_true", help="also time each stage of the forward round trip")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each stage of the forward round trip (uncompiled ops)")
+    p.add_argument("--profile", action="store_true",
+                   help="also record each path's top kernels (fwd+bwd, as timed) from torch.profiler")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda (NCCL, DeepEP where installed) or cpu (gloo: checks the script, times nothing useful)")
     args = p.parse_args()
@@ -180,44 +236,45 @@ def main() -> None:
             logical = rows_to_ranks(ids, s["experts"], world) * s["hidden"] * 2 * 2 / world  # per rank
             row = {"shape": shape, **s, "tokens_per_rank": tokens, "ranks": world, "logical_bytes_per_rank": logical}
             for path in args.paths.split(","):
-                if path == "deepep" and backend != "deepep":
+                fn, needs = round_trip(path)
+                if needs == "deepep" and backend != "deepep":
                     row["deepep_unavailable"] = why
                     continue
-                fwd = {"standard": lambda: standard_round_trip(x, ids, weights, s["experts"], group),
-                       "deepep": lambda: deepep_round_trip(x, ids, weights, s["experts"], group, "deepep"),
-                       "reference": lambda: deepep_round_trip(x, ids, weights, s["experts"], group, "reference")}[path]
+                fn = fn if args.eager else compiled(fn)
+                fwd = lambda marks=None, fn=fn: fn(x, ids, weights, s["experts"], group, marks)  # noqa: E731
                 fwd_ms = time_ms(lambda: fwd(), device, args.warmup, args.iters)
                 fb_ms = time_ms(lambda: fwd().backward(grad), device, args.warmup, args.iters)
                 row[f"{path}_fwd_ms"], row[f"{path}_fwd_bwd_ms"] = fwd_ms, fb_ms
                 row[f"{path}_fwd_GBps"] = logical / fwd_ms / 1e6
                 if args.breakdown:
-                    staged = {"standard": lambda m: standard_round_trip(x, ids, weights, s["experts"], group, m),
-                              "deepep": lambda m: deepep_round_trip(x, ids, weights, s["experts"], group, "deepep", m),
-                              "reference": lambda m: deepep_round_trip(x, ids, weights, s["experts"], group,
-                                                                        "reference", m)}[path]
+                    staged = lambda marks, fn=round_trip(path)[0]: fn(x, ids, weights, s["experts"], group, marks)  # noqa: E731
                     row[f"{path}_fwd_stage_ms"] = stage_breakdown(staged, x.device, args.warmup, args.iters)
+                if args.profile:
+                    row[f"{path}_fwd_bwd_top_kernels"] = top_kernels(lambda: fwd().backward(grad), device)
             if "deepep_fwd_ms" in row:
                 row["speedup_fwd"] = row["standard_fwd_ms"] / row["deepep_fwd_ms"]
                 row["speedup_fwd_bwd"] = row["standard_fwd_bwd_ms"] / row["deepep_fwd_bwd_ms"]
             rows.append(row)
             if rank == 0:
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
+                                  if not k.endswith("_top_kernels")}), flush=True)
                 for key in (k for k in row if k.endswith("_fwd_stage_ms")):
                     print(f"  {shape} {tokens} {key.removesuffix('_fwd_stage_ms')}: " +
                           ", ".join(f"{stage} {ms:.2f} ms" for stage, ms in row[key].items()), flush=True)
     if rank == 0:
         print(f"\n{'shape':<6}{'tokens':>7}{'std fwd+bwd ms':>16}{'deepep fwd+bwd ms':>19}{'speedup':>9}"
-              f"{'std fwd ms':>12}{'deepep fwd ms':>15}{'speedup':>9}")
+              f"{'std fwd ms':>12}{'deepep fwd ms':>15}{'speedup':>9}{'index_add fwd+bwd ms':>22}")
         for r in rows:
             print(f"{r['shape']:<6}{r['tokens_per_rank']:>7}{r.get('standard_fwd_bwd_ms', 0):>16.2f}"
                   f"{r.get('deepep_fwd_bwd_ms', 0):>19.2f}{r.get('speedup_fwd_bwd', 0):>9.2f}"
-                  f"{r.get('standard_fwd_ms', 0):>12.2f}{r.get('deepep_fwd_ms', 0):>15.2f}{r.get('speedup_fwd', 0):>9.2f}")
+                  f"{r.get('standard_fwd_ms', 0):>12.2f}{r.get('deepep_fwd_ms', 0):>15.2f}{r.get('speedup_fwd', 0):>9.2f}"
+                  f"{r.get('deepep_index_add_fwd_bwd_ms', 0):>22.2f}")
         if args.out:
             commit = git_commit()["commit"]
-            result = {"schema": "moepass.bench_ep_dispatch/1", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            result = {"schema": "moepass.bench_ep_dispatch/2", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "gpus": world, "torch": torch.__version__, "host": platform.node(), "commit": commit,
                       "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
-                      "ep_backend_choice": why, "rows": rows}
+                      "ep_backend_choice": why, "compiled": not args.eager, "rows": rows}
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

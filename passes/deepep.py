@@ -5,9 +5,9 @@ returned rows back to tokens. DeepEP sends a token once per destination rank and
 way back, without weights. The rewrite, per region:
 
     recv_x, recv_idx, recv_w, counts, handle = ep_dispatch(x, topk_ids, topk_weights)
-    pair_row, pair_slot = ep_expert_major_pairs(recv_idx)        # (row, local expert), expert-major
-    y = experts(recv_x[pair_row] [* w, when the original weighted before the experts], counts)   # unchanged
-    rows = zeros.index_add(0, pair_row, y.float() [* w, when it weighted after the experts])
+    _, pair_slot = ep_expert_major_pairs(recv_idx)                 # routed slots, expert-major
+    y = experts(ep_pairs_gather(recv_x, pair_slot [, w when the original weighted before the experts]), counts)
+    rows = ep_pairs_sum(y, pair_slot [, w when it weighted after the experts])   # per received row, fp32 sum
     result = ep_combine(rows, handle)                              # replaces the original [T, D] result
 
 Routing weights are applied where the original applied them. Products and the per-token sum stay in
@@ -165,13 +165,10 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
                           region.group_size, region.group_name, backend)
         recv_x, recv_idx, recv_w, recv_counts, handle = (emit(operator.getitem, dispatched, i) for i in range(5))
         pairs = emit(torch.ops.moepass.ep_expert_major_pairs.default, recv_idx, region.num_local_experts)
-        pair_row, pair_slot = emit(operator.getitem, pairs, 0), emit(operator.getitem, pairs, 1)
-        pair_in = emit(torch.index_select, recv_x, 0, pair_row)
-        pair_w = emit("unsqueeze", emit(torch.index_select, emit("reshape", recv_w, -1, method=True), 0, pair_slot),
-                      -1, method=True)
-        if region.weights_applied == "before_experts":
-            pair_in = emit("to", emit(operator.mul, emit("float", pair_in, method=True), pair_w), sent_meta.dtype,
-                           method=True)
+        pair_slot = emit(operator.getitem, pairs, 1)
+        topk = tensor_meta(ids).shape[1]
+        pair_in = emit(torch.ops.moepass.ep_pairs_gather.default, recv_x, pair_slot, topk,
+                       recv_w if region.weights_applied == "before_experts" else None)
         counts = recv_counts
         if tensor_meta(region.expert_counts).dtype != torch.int64:
             counts = emit("to", counts, tensor_meta(region.expert_counts).dtype, method=True)
@@ -185,12 +182,11 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
 
     out = region.tokens_out
     with graph.inserting_before(out):
-        rows = emit("float", region.expert_output, method=True)
-        if region.weights_applied == "after_experts":
-            rows = emit(operator.mul, rows, pair_w)
-        summed = emit(torch.index_add, emit(torch.zeros_like, recv_x, dtype=torch.float32), 0, pair_row, rows)
-        if backend != "reference":  # DeepEP's combine kernels take the model dtype
-            summed = emit("to", summed, x_meta.dtype, method=True)
+        # DeepEP's combine kernels take the model dtype; the reference sums fp32 rows as the original did
+        summed_dtype = torch.float32 if backend == "reference" else x_meta.dtype
+        summed = emit(torch.ops.moepass.ep_pairs_sum.default, region.expert_output, pair_slot,
+                      emit("size", recv_x, 0, method=True), topk,
+                      recv_w if region.weights_applied == "after_experts" else None, summed_dtype, False)
         combined = emit(torch.ops.moepass.ep_combine.default, summed, handle, region.group_size, region.group_name,
                         backend)
         combined_dtype = torch.float32 if backend == "reference" else x_meta.dtype
