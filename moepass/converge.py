@@ -8,6 +8,7 @@ such window anywhere in the run. PASS when the final gap is within --tolerance (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import torch
 from .bench import (BASELINE, ModelSpec, Variant, add_model_arguments, error_summary, model_spec, provenance,
                     resolve_variants, say)
 
+RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
 SCHEMA = "moepass.converge/1"
 
 
@@ -119,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=20, help="moving-average window, steps")
     p.add_argument("--val-batches", type=int, default=8, help="held-out batches for the final validation loss")
     p.add_argument("--out", default=".", help="directory for converge.json and converge.png")
+    p.add_argument("--repeat-baseline", action="store_true",
+                   help=f"train {BASELINE!r} twice and report the gap between the two runs: the run-to-run "
+                        "noise floor of the criterion (GPU kernels with atomics are not bitwise reproducible)")
 
 
 def cmd_converge(args) -> int:
@@ -143,6 +148,8 @@ def cmd_converge(args) -> int:
     say(f"moepass converge: {spec.describe()} on {device}, {args.steps} steps of batch {args.batch} x seq "
         f"{args.seq}, data {args.data or 'stdlib source (bytes)'}; {[v.name for v in variants]}")
 
+    if args.repeat_baseline:
+        variants.append(dataclasses.replace(variants[0], name=RERUN))
     runs = {}
     for i, v in enumerate(variants, start=1):
         say(f"[{i}/{len(variants)}] {v.name}: backend={v.backend} options={v.options}")
@@ -150,10 +157,15 @@ def cmd_converge(args) -> int:
                                      device=device, val_n=args.val_batches, log_every=log_every)
 
     verdict = compare(runs, names, args.window, args.tolerance)
+    if args.repeat_baseline and runs[RERUN]["status"] == "ok" and runs[BASELINE]["status"] == "ok":
+        runs[RERUN].update(loss_gaps(runs[BASELINE]["loss"], runs[RERUN]["loss"], args.window))
+        verdict["noise_floor_gap_rel"] = runs[RERUN]["final_loss_gap_rel"]
     say("\n" + summary(runs, args))
     gap = verdict["final_loss_gap_rel"]
+    noise = verdict.get("noise_floor_gap_rel")
     say(f"{'PASS' if verdict['pass'] else 'FAIL'}: final-loss gap "
-        f"{'n/a' if gap is None else f'{gap * 100:.3f}%'} vs tolerance {args.tolerance * 100:.3f}%")
+        f"{'n/a' if gap is None else f'{gap * 100:.3f}%'} vs tolerance {args.tolerance * 100:.3f}%"
+        + ("" if noise is None else f" (the baseline against its own rerun: {noise * 100:.3f}%)"))
     result = provenance(SCHEMA, device, 1)
     result.update(config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
                           "lr": args.lr, "seed": args.seed, "data": args.data or "stdlib", "device": str(device),

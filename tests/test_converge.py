@@ -21,7 +21,7 @@ def converge_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("converge")
     argv = [sys.executable, "-m", "moepass.cli", "converge", "--model-overrides", json.dumps(TINY),
             "--batch", "2", "--seq", "32", "--steps", str(STEPS), "--window", str(WINDOW),
-            "--val-batches", "2", "--tolerance", str(TOLERANCE), "--device", "cpu", "--out", str(out)]
+            "--val-batches", "2", "--tolerance", str(TOLERANCE), "--device", "cpu", "--repeat-baseline", "--out", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "converge.json") as f:
@@ -31,7 +31,7 @@ def converge_run(tmp_path_factory):
 def test_json_schema(converge_run):
     result, _, _ = converge_run
     assert result["schema"] == "moepass.converge/1"
-    assert set(result["variants"]) == {"inductor", "moepass"}
+    assert set(result["variants"]) == {"inductor", "moepass", "inductor-rerun"}
     assert result["baseline"] == "inductor" and result["window"] == WINDOW and result["tolerance"] == TOLERANCE
     assert result["config"]["data"] == "stdlib" and result["config"]["steps"] == STEPS
     for key in ("hardware", "versions", "commit", "command"):
@@ -63,6 +63,15 @@ def test_gaps_recomputed_from_the_curves(converge_run):
     assert result["final_loss_gap_rel"] == pytest.approx(gaps[-1])
     assert result["max_window_gap_rel"] == pytest.approx(max(gaps))
     assert result["variants"]["moepass"]["final_loss_gap_rel"] == pytest.approx(gaps[-1])
+
+
+def test_repeated_baseline_measures_the_noise_floor(converge_run):
+    result, proc, _ = converge_run
+    base, rerun = result["variants"]["inductor"], result["variants"]["inductor-rerun"]
+    # CPU Inductor is deterministic: the rerun repeats the baseline exactly, so the floor is 0
+    assert rerun["loss"] == base["loss"] and result["noise_floor_gap_rel"] == 0.0
+    assert "against its own rerun: 0.000%" in proc.stdout
+    assert "pass" not in rerun  # the rerun never decides the verdict
 
 
 def test_verdict_matches_tolerance_and_exit_code(converge_run):
