@@ -1,18 +1,22 @@
-"""Per-GEMM speed of the FP8-rowwise recipe against BF16 on one Hopper GPU, forward and backward.
+"""Per-GEMM speed of the FP8-rowwise recipe against BF16 on one Hopper GPU, as training runs it: compiled.
 
     python examples/bench_fp8_gemms.py --out examples/results/fp8_gemms_h200.json
 
-For each DeepSeek-V3 16B and 671B linear and routed-expert GEMM (and a size sweep for the recipe's
-thresholds) it times, side by side in one run, with CUDA events (median of --iters after warm-up):
+For the DeepSeek-V3 16B and 671B linears and routed-expert GEMMs that carry the FLOPs it times, with CUDA
+events (median of --iters after warm-up), one line per GEMM as it goes (the JSON is rewritten after each):
   bf16         F.linear's three GEMMs (torch.mm) / torch._grouped_mm's three
-  fp8_rowwise  the moepass::fp8_rowwise_* ops, kernel "scaled_mm": Triton quantization + torch._scaled_mm /
-               torch._scaled_grouped_mm, everything the training step pays
+  fp8_rowwise  the moepass::fp8_rowwise_* ops under torch.compile with moepass's decompositions, as the
+               moepass backend compiles them: Inductor fuses the rowwise quantization into one kernel per
+               operand, torch._scaled_mm / _scaled_grouped_mm do the GEMMs. One graph per GEMM (fwd, dgrad,
+               wgrad), static shapes; the grouped wgrad is the opaque op (Triton token-group quantization).
+               fwd+bwd = fwd + dgrad + wgrad (--train-step also times a compiled forward+backward).
   fp8_gemm     the FP8 GEMMs alone on pre-quantized operands (so quantization = fp8_rowwise - fp8_gemm);
                for linears also without fast accumulation
-  blockwise    DeepSeek-V3's recipe (1x128 activations, 128x128 weights) from torchao, where it runs
-and reports TFLOP/s, speedups, the ops' SQNR against fp32, the recipe moepass picks for each GEMM,
-and a suggested FP8_ROWWISE_MIN for moepass/fp8_recipe.py. The whole-training-step comparison is
-`moepass bench` (the command to run is printed at the end).
+and reports TFLOP/s, speedups, SQNR against fp32, the recipe moepass picks for each GEMM and a suggested
+FP8_ROWWISE_MIN for moepass/fp8_recipe.py. Opt-in: --eager (the ops uncompiled), --blockwise (torchao's
+DeepSeek-V3 blockwise recipe), --sweep (the size sweep behind the thresholds), --autotune (let Inductor
+autotune Triton templates against aten's _scaled_mm, as a default-mode training compile does; slower).
+The whole-training-step comparison is `moepass bench` (the command is printed at the end).
 """
 
 from __future__ import annotations
@@ -29,40 +33,44 @@ import time
 
 import torch
 
-import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
-import moepass.ops.fp8_rowwise_linear  # noqa: F401
-from moepass.bench import git_commit, package_version
+import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
 from moepass import fp8_recipe
-from moepass.ops import fp8_rowwise_quant as quant
+from moepass.bench import git_commit, package_version
+from moepass.ops import fp8_rowwise_decomp as decomp
 from moepass.ops.fp8_rowwise_grouped_mm import FAST_ACCUM as GROUPED_FAST_ACCUM
 from moepass.ops.fp8_rowwise_linear import FAST_ACCUM as LINEAR_FAST_ACCUM
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
-SCHEMA = "moepass.bench_fp8_gemms/1"
+SCHEMA = "moepass.bench_fp8_gemms/2"  # /2: fp8_rowwise_* times are the compiled (decomposed) path
 GEMMS = ("fwd", "dgrad", "wgrad")
 DEVICE = "cuda"
 
 # (model, GEMM, K, N): y[M, N] = x[M, K] @ W[N, K].T, from models/config.py's 16B and 671B flavors.
+# Attention and shared experts run in every layer; the dense FFN (first layer(s) only) is in MORE_LINEARS.
 LINEARS = [
     ("16B", "attention.wq", 2048, 3072), ("16B", "attention.wkv_a", 2048, 576),
     ("16B", "attention.wkv_b", 512, 4096), ("16B", "attention.wo", 2048, 2048),
-    ("16B", "dense_ffn.w1|w3", 2048, 10944), ("16B", "dense_ffn.w2", 10944, 2048),
     ("16B", "shared_experts.w1|w3", 2048, 2816), ("16B", "shared_experts.w2", 2816, 2048),
     ("671B", "attention.wq_a", 7168, 1536), ("671B", "attention.wq_b", 1536, 24576),
-    ("671B", "attention.wkv_a", 7168, 576), ("671B", "attention.wkv_b", 512, 32768),
-    ("671B", "attention.wo", 16384, 7168), ("671B", "dense_ffn.w1|w3", 7168, 18432),
-    ("671B", "dense_ffn.w2", 18432, 7168), ("671B", "shared_experts.w1|w3", 7168, 2048),
-    ("671B", "shared_experts.w2", 2048, 7168),
+    ("671B", "attention.wkv_b", 512, 32768), ("671B", "attention.wo", 16384, 7168),
+    ("671B", "shared_experts.w1|w3", 7168, 2048), ("671B", "shared_experts.w2", 2048, 7168),
 ]
-# (model, GEMM, experts on this GPU, routed rows M, K, N): 16B has 64 experts (top-6) on one GPU;
-# 671B's 256 experts (top-8) are shown as one expert-parallel rank's 16 or 32.
+MORE_LINEARS = [
+    ("16B", "dense_ffn.w1|w3", 2048, 10944), ("16B", "dense_ffn.w2", 10944, 2048),
+    ("671B", "attention.wkv_a", 7168, 576), ("671B", "dense_ffn.w1|w3", 7168, 18432),
+    ("671B", "dense_ffn.w2", 18432, 7168),
+]
+# (model, GEMM, experts on this GPU, routed rows M, K, N). 16B: 64 experts (top-6) on one GPU, M = 32768
+# tokens * 6 (`moepass bench --batch 8 --seq 4096`: 3072 tokens per expert); 671B: one expert-parallel
+# rank's 32 of 256 experts (top-8) at 2048 tokens per expert.
 GROUPED = [
-    ("16B", "experts.w1|w3", 64, 16384, 2048, 1408), ("16B", "experts.w2", 64, 16384, 1408, 2048),
+    ("16B", "experts.w1|w3", 64, 196608, 2048, 1408), ("16B", "experts.w2", 64, 196608, 1408, 2048),
+    ("671B", "experts.w1|w3", 32, 65536, 7168, 2048), ("671B", "experts.w2", 32, 65536, 2048, 7168),
+]
+MORE_GROUPED = [
     ("16B", "experts.w1|w3", 64, 65536, 2048, 1408), ("16B", "experts.w2", 64, 65536, 1408, 2048),
-    ("16B", "experts.w1|w3", 16, 16384, 2048, 1408), ("16B", "experts.w2", 16, 16384, 1408, 2048),
     ("671B", "experts.w1|w3", 16, 16384, 7168, 2048), ("671B", "experts.w2", 16, 16384, 2048, 7168),
-    ("671B", "experts.w1|w3", 32, 16384, 7168, 2048), ("671B", "experts.w2", 32, 16384, 2048, 7168),
 ]
 SWEEP_DIMS, SWEEP_TOKENS = (512, 1024, 2048, 4096), (1024, 4096, 16384)
 GROUPED_SWEEP = [(16, tokens_per_expert * 16, d, d) for d in (1024, 2048) for tokens_per_expert in (128, 512, 2048)]
@@ -104,6 +112,63 @@ def summarize(bf16: dict, fp8: dict, flop: float) -> dict:
     }
 
 
+# ---- the compiled FP8 path: the ops decomposed exactly as the moepass backend hands them to Inductor ----
+
+def compiled(fn, autotune: bool):
+    """torch.compile(fn) through compile_fx with moepass's decomposition table, static shapes."""
+    from torch._inductor.compile_fx import compile_fx
+
+    table = decomp.inductor_decompositions()
+    # Default-mode Inductor autotunes _scaled_mm against Triton templates: seconds per shape at compile time.
+    patches = {} if autotune else {"max_autotune_gemm_backends": "ATEN"}
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, config_patches=patches, decompositions=table)
+
+    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+
+
+def linear_fwd(x, w):
+    return ops.fp8_rowwise_linear(x, w, None, False, "scaled_mm")
+
+
+def linear_dgrad(g, w):
+    return ops.fp8_rowwise_linear_dgrad(g, w, "scaled_mm")
+
+
+def linear_wgrad(g, x):
+    return ops.fp8_rowwise_linear_wgrad(g, x, "scaled_mm")
+
+
+def grouped_fwd(x, w_t, offs):
+    return ops.fp8_rowwise_grouped_mm(x, w_t, offs, False, "scaled_mm")
+
+
+def grouped_dgrad(g, w_t, offs):
+    return ops.fp8_rowwise_grouped_mm_dgrad(g, w_t, offs, "scaled_mm")
+
+
+def grouped_wgrad(g, x, offs):
+    return ops.fp8_rowwise_grouped_mm_wgrad(g, x, offs, "scaled_mm")
+
+
+def compile_gemms(fns: dict, args: dict, autotune: bool) -> tuple[dict, dict, float]:
+    """(compiled fns, their first outputs, compile seconds): one graph per GEMM, compiled on first call."""
+    began = time.perf_counter()
+    torch._dynamo.reset()  # each shape compiles fresh: no recompile limits, no guards piling up
+    done = {name: compiled(fn, autotune) for name, fn in fns.items()}
+    outs = {name: fn(*args[name]) for name, fn in done.items()}
+    torch.cuda.synchronize()
+    return done, outs, round(time.perf_counter() - began, 2)
+
+
+def train_step_ms(fn, bf16_fn, leaves, grad_out, run) -> dict:
+    """Compiled forward + backward (dgrad and wgrad in one backward graph) against BF16 autograd."""
+    fp8 = run(lambda: torch.autograd.grad(fn(*leaves), leaves[:2], grad_out))
+    bf16 = run(lambda: torch.autograd.grad(bf16_fn(*leaves), leaves[:2], grad_out))
+    return {"bf16_ms": round(bf16, 4), "fp8_rowwise_ms": round(fp8, 4), "speedup": round(bf16 / fp8, 3)}
+
+
 # ---- linears ------------------------------------------------------------------------------------
 
 def bench_linear(m: int, k: int, n: int, args, extras: bool) -> dict:
@@ -114,26 +179,31 @@ def bench_linear(m: int, k: int, n: int, args, extras: bool) -> dict:
     run = lambda fn: time_ms(fn, args.warmup, args.iters)  # noqa: E731
     bf16 = {"fwd": run(lambda: torch.mm(x, w.t())), "dgrad": run(lambda: torch.mm(g, w)),
             "wgrad": run(lambda: torch.mm(g.t(), x))}
-    fp8 = {"fwd": run(lambda: ops.fp8_rowwise_linear(x, w, None, False, "scaled_mm")),
-           "dgrad": run(lambda: ops.fp8_rowwise_linear_dgrad(g, w, "scaled_mm")),
-           "wgrad": run(lambda: ops.fp8_rowwise_linear_wgrad(g, x, "scaled_mm"))}
-    row = {"M": m, "K": k, "N": n, **summarize(bf16, fp8, 2.0 * m * k * n)}
+    operands = {"fwd": (x, w), "dgrad": (g, w), "wgrad": (g, x)}
+    fns, outs, compile_s = compile_gemms({"fwd": linear_fwd, "dgrad": linear_dgrad, "wgrad": linear_wgrad},
+                                         operands, args.autotune)
+    fp8 = {name: run(lambda fn=fn, a=operands[name]: fn(*a)) for name, fn in fns.items()}
+    row = {"M": m, "K": k, "N": n, **summarize(bf16, fp8, 2.0 * m * k * n), "compile_s": compile_s}
     recipe, reason = fp8_recipe.choose_recipe(DEVICE, "linear", m, k, n)
     row["auto_recipe"], row["auto_reason"] = recipe, reason
     if not extras:
         return row
+    # The eager ops run the same torch code (unfused) and the same GEMM: the compiled path must equal them.
+    eager = {"fwd": linear_fwd(x, w), "dgrad": linear_dgrad(g, w), "wgrad": linear_wgrad(g, x)}
+    row["bitwise_equal_to_eager_op"] = {name: bool(torch.equal(outs[name], eager[name])) for name in GEMMS}
+    if args.eager:
+        row["fp8_rowwise_eager_ms"] = {name: round(run(lambda fn=fn, a=operands[name]: fn(*a)), 4)
+                                       for name, fn in (("fwd", linear_fwd), ("dgrad", linear_dgrad),
+                                                        ("wgrad", linear_wgrad))}
     # The FP8 GEMMs alone, with and without fast accumulation: what quantization and promotion cost.
-    x_q, x_s = quant.rows(x, "scaled_mm")
-    w_q, w_s = quant.rows(w, "scaled_mm")
-    g_q, g_s = quant.rows(g, "scaled_mm")
-    wc_q, wc_s = quant.cols(w, "scaled_mm")
-    gc_q, gc_s = quant.cols(g, "scaled_mm")
-    xc_q, xc_s = quant.cols(x, "scaled_mm")
-    operands = {"fwd": (x_q, x_s, w_q.t(), w_s.reshape(1, -1)), "dgrad": (g_q, g_s, wc_q, wc_s),
-                "wgrad": (gc_q.t(), gc_s.reshape(-1, 1), xc_q, xc_s)}
+    xp, gp = decomp.pad_tokens(x), decomp.pad_tokens(g)
+    (x_q, x_s), (w_q, w_s), (g_q, g_s) = decomp.rows(xp), decomp.rows(w), decomp.rows(gp)
+    (wc_q, wc_s), (gc_q, gc_s), (xc_q, xc_s) = decomp.cols(w), decomp.cols(gp), decomp.cols(xp)
+    quantized = {"fwd": (x_q, x_s, w_q.t(), w_s.t()), "dgrad": (g_q, g_s, wc_q, wc_s),
+                 "wgrad": (gc_q.t(), gc_s.t(), xc_q, xc_s)}
     gemm = {}
     for fast in (True, False):
-        for name, (a, sa, b, sb) in operands.items():
+        for name, (a, sa, b, sb) in quantized.items():
             ia, ib = sa.reciprocal(), sb.reciprocal()
             gemm[f"{name}{'' if fast else '_no_fast_accum'}"] = round(run(
                 lambda a=a, b=b, ia=ia, ib=ib, fast=fast: torch._scaled_mm(
@@ -141,11 +211,14 @@ def bench_linear(m: int, k: int, n: int, args, extras: bool) -> dict:
     row["fp8_gemm_ms"] = gemm
     row["quantization_ms"] = {name: round(fp8[name] - gemm[name if LINEAR_FAST_ACCUM[name] else
                                                             f"{name}_no_fast_accum"], 4) for name in GEMMS}
-    ref = (x.float() @ w.float().t(), g.float() @ w.float(), g.float().t() @ x.float())
-    got = (ops.fp8_rowwise_linear(x, w, None, False, "scaled_mm"), ops.fp8_rowwise_linear_dgrad(g, w, "scaled_mm"),
-           ops.fp8_rowwise_linear_wgrad(g, x, "scaled_mm"))
-    row["sqnr_db"] = {name: sqnr_db(r, o) for name, r, o in zip(GEMMS, ref, got)}
-    row["blockwise"] = bench_blockwise_linear(x, w, g, run)
+    ref = {"fwd": x.float() @ w.float().t(), "dgrad": g.float() @ w.float(), "wgrad": g.float().t() @ x.float()}
+    row["sqnr_db"] = {name: sqnr_db(ref[name], outs[name]) for name in GEMMS}
+    if args.train_step:
+        leaves = (x.detach().requires_grad_(), w.detach().requires_grad_())
+        step = compiled(linear_fwd, args.autotune)
+        row["train_step"] = train_step_ms(step, lambda a, b: torch.nn.functional.linear(a, b), leaves, g, run)
+    if args.blockwise:
+        row["blockwise"] = bench_blockwise_linear(x, w, g, run)
     return row
 
 
@@ -174,6 +247,17 @@ def routed_group_sizes(experts: int, rows: int, seed: int) -> list[int]:
     return torch.bincount(torch.multinomial(probs, rows, replacement=True, generator=gen), minlength=experts).tolist()
 
 
+def grouped_reference(x, w_t, g, sizes) -> dict:
+    ref = {"fwd": torch.zeros(x.shape[0], w_t.shape[2], device=x.device),
+           "dgrad": torch.zeros(x.shape, device=x.device), "wgrad": torch.zeros(w_t.shape, device=x.device)}
+    start = 0
+    for e, end in enumerate(itertools.accumulate(sizes)):
+        xs, gs, we = x[start:end].float(), g[start:end].float(), w_t[e].float()
+        ref["fwd"][start:end], ref["dgrad"][start:end], ref["wgrad"][e] = xs @ we, gs @ we.t(), xs.t() @ gs
+        start = end
+    return ref
+
+
 def bench_grouped(experts: int, m: int, k: int, n: int, args, extras: bool) -> dict:
     sizes = routed_group_sizes(experts, m, seed=experts + m + k)
     gen = torch.Generator(device=DEVICE).manual_seed(m + k + n)
@@ -185,44 +269,41 @@ def bench_grouped(experts: int, m: int, k: int, n: int, args, extras: bool) -> d
     bf16 = {"fwd": run(lambda: torch._grouped_mm(x, w_t, offs=offs)),
             "dgrad": run(lambda: torch._grouped_mm(g, w_t.transpose(-2, -1), offs=offs)),
             "wgrad": run(lambda: torch._grouped_mm(x.t(), g, offs=offs))}
-    fp8 = {"fwd": run(lambda: ops.fp8_rowwise_grouped_mm(x, w_t, offs, False, "scaled_mm")),
-           "dgrad": run(lambda: ops.fp8_rowwise_grouped_mm_dgrad(g, w_t, offs, "scaled_mm")),
-           "wgrad": run(lambda: ops.fp8_rowwise_grouped_mm_wgrad(g, x, offs, "scaled_mm"))}
+    operands = {"fwd": (x, w_t, offs), "dgrad": (g, w_t, offs), "wgrad": (g, x, offs)}
+    fns, outs, compile_s = compile_gemms({"fwd": grouped_fwd, "dgrad": grouped_dgrad}, operands, args.autotune)
+    fns["wgrad"] = grouped_wgrad  # not decomposed: compiled, it is this same op call
+    outs["wgrad"] = grouped_wgrad(*operands["wgrad"])
+    fp8 = {name: run(lambda fn=fn, a=operands[name]: fn(*a)) for name, fn in fns.items()}
     row = {"experts": experts, "M": m, "K": k, "N": n, "tokens_per_expert": m // experts,
-           "group_sizes_min_max": [min(sizes), max(sizes)], **summarize(bf16, fp8, 2.0 * m * k * n)}
+           "group_sizes_min_max": [min(sizes), max(sizes)], **summarize(bf16, fp8, 2.0 * m * k * n),
+           "compile_s": compile_s}
     recipe, reason = fp8_recipe.choose_recipe(DEVICE, "grouped", m, k, n, experts=experts)
     row["auto_recipe"], row["auto_reason"] = recipe, reason
     if not extras:
         return row
+    if args.eager:  # the uncompiled ops: torchao's autotuned Triton quantization kernels
+        row["fp8_rowwise_eager_ms"] = {name: round(run(lambda fn=fn, a=operands[name]: fn(*a)), 4)
+                                       for name, fn in (("fwd", grouped_fwd), ("dgrad", grouped_dgrad))}
     from moepass.ops.fp8_rowwise_triton import token_group_cols_padded
 
-    x_q, x_s = quant.rows(x, "scaled_mm")
-    g_q, g_s = quant.rows(g, "scaled_mm")
-    wk_q, wk_s = quant.experts_along_k(w_t, "scaled_mm")
-    wn_q, wn_s = quant.experts_along_n(w_t, "scaled_mm")
+    (x_q, x_s), (g_q, g_s) = decomp.rows(x), decomp.rows(g)
+    (wk_q, wk_s), (wn_q, wn_s) = decomp.cols(w_t), decomp.rows(w_t)
     gt_q, gt_s, padded_ends = token_group_cols_padded(g, offs)
     xt_q, xt_s, _ = token_group_cols_padded(x, offs)
-    operands = {"fwd": (x_q, x_s.reshape(-1), wk_q, wk_s.squeeze(1), offs),
-                "dgrad": (g_q, g_s.reshape(-1), wn_q.transpose(-2, -1), wn_s.squeeze(-1), offs),
-                "wgrad": (gt_q, gt_s.reshape(-1), xt_q.t(), xt_s.reshape(-1), padded_ends)}
+    quantized = {"fwd": (x_q, x_s.reshape(-1), wk_q, wk_s.squeeze(1), offs),
+                 "dgrad": (g_q, g_s.reshape(-1), wn_q.transpose(-2, -1), wn_s.squeeze(-1), offs),
+                 "wgrad": (gt_q, gt_s.reshape(-1), xt_q.t(), xt_s.reshape(-1), padded_ends)}
     gemm = {}
-    for name, (a, sa, b, sb, o) in operands.items():
+    for name, (a, sa, b, sb, o) in quantized.items():
         ia, ib = sa.reciprocal(), sb.reciprocal()
         gemm[name] = round(run(lambda a=a, b=b, ia=ia, ib=ib, o=o: torch._scaled_grouped_mm(
             a, b, ia, ib, o, out_dtype=BF16, use_fast_accum=GROUPED_FAST_ACCUM)), 4)
     row["fp8_gemm_ms"] = gemm
     row["quantization_ms"] = {name: round(fp8[name] - gemm[name], 4) for name in GEMMS}
-    ref = [torch.zeros(m, n, device=DEVICE), torch.zeros(m, k, device=DEVICE), torch.zeros(w_t.shape, device=DEVICE)]
-    start = 0
-    for e, end in enumerate(torch.tensor(sizes).cumsum(0).tolist()):
-        xs, gs, we = x[start:end].float(), g[start:end].float(), w_t[e].float()
-        ref[0][start:end], ref[1][start:end], ref[2][e] = xs @ we, gs @ we.t(), xs.t() @ gs
-        start = end
-    got = (ops.fp8_rowwise_grouped_mm(x, w_t, offs, False, "scaled_mm"),
-           ops.fp8_rowwise_grouped_mm_dgrad(g, w_t, offs, "scaled_mm"),
-           ops.fp8_rowwise_grouped_mm_wgrad(g, x, offs, "scaled_mm"))
-    row["sqnr_db"] = {name: sqnr_db(r, o) for name, r, o in zip(GEMMS, ref, got)}
-    row["blockwise"] = bench_blockwise_grouped(x, w_t, offs, g, run)
+    ref = grouped_reference(x, w_t, g, sizes)
+    row["sqnr_db"] = {name: sqnr_db(ref[name], outs[name]) for name in GEMMS}
+    if args.blockwise:
+        row["blockwise"] = bench_blockwise_grouped(x, w_t, offs, g, run)
     return row
 
 
@@ -263,16 +344,70 @@ def suggest_min_shape(rows: list[dict], tokens_key: str) -> dict:
     return {"k": k, "n": n, "tokens": t, "gemms_to_fp8": count, "of": len(rows), "saved_ms": round(saved, 3)}
 
 
+def suggestions(result: dict) -> dict:
+    linear_rows = [{**r, "tokens": r["M"]} for r in result["linear"] + result["linear_sweep"]]
+    return {"linear": suggest_min_shape(linear_rows, "tokens") if linear_rows else None,
+            "grouped": (suggest_min_shape(result["grouped"] + result["grouped_sweep"], "tokens_per_expert")
+                        if result["grouped"] + result["grouped_sweep"] else None)}
+
+
 # ---- provenance and main ------------------------------------------------------------------------------
 
-def main() -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="examples/results/fp8_gemms_h200.json")
     p.add_argument("--tokens", type=int, default=16384, help="M (tokens) of the DeepSeek-V3 linears")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-sweep", action="store_true", help="skip the size sweep behind the thresholds")
-    args = p.parse_args()
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--models", default="16B,671B", help="comma-separated flavors to measure")
+    p.add_argument("--more-shapes", action="store_true", help="also the dense FFNs and smaller expert batches")
+    p.add_argument("--no-grouped", action="store_true", help="linears only")
+    p.add_argument("--sweep", action="store_true", help="also the size sweep behind the thresholds (slow)")
+    p.add_argument("--eager", action="store_true", help="also time the ops uncompiled")
+    p.add_argument("--train-step", action="store_true", help="also time a compiled linear forward+backward")
+    p.add_argument("--blockwise", action="store_true", help="also time torchao's blockwise FP8 recipe")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new GEMM after this many seconds (0: no limit; default 90, none with --sweep); "
+                        "the 16B shapes run first")
+    p.add_argument("--autotune", action="store_true",
+                   help="let Inductor autotune _scaled_mm against Triton templates (default: aten's kernel)")
+    args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 0.0 if args.sweep else 90.0
+    return args
+
+
+def shape_lists(args) -> tuple[list, list]:
+    models = set(args.models.split(","))
+    linears = LINEARS + (MORE_LINEARS if args.more_shapes else [])
+    grouped = [] if args.no_grouped else GROUPED + (MORE_GROUPED if args.more_shapes else [])
+    return [s for s in linears if s[0] in models], [s for s in grouped if s[0] in models]
+
+
+def jobs(args) -> list[tuple[str, tuple]]:
+    """("linear" | "grouped", shape) in the order they run: model by model (16B first), then the sweep."""
+    linears, grouped = shape_lists(args)
+    order = [m for m in ("16B", "671B") if m in args.models.split(",")]
+    out = [(kind, s) for model in order for kind, shapes in (("linear", linears), ("grouped", grouped))
+           for s in shapes if s[0] == model]
+    if args.sweep:
+        out += [("linear_sweep", ("sweep", "linear", d, d, tokens))
+                for d, tokens in itertools.product(SWEEP_DIMS, SWEEP_TOKENS)]
+        out += [("grouped_sweep", ("sweep", "grouped", *shape)) for shape in GROUPED_SWEEP]
+    return out
+
+
+def format_row(model: str, name: str, shape: str, row: dict) -> str:
+    return (f"{model:<5} {name:<22} {shape:<30} " + " ".join(f"{row['speedup'][g]:>7.2f}" for g in (*GEMMS, "fwd+bwd"))
+            + f"  {sum(row['fp8_rowwise_ms'].values()):>7.3f} {row['compile_s']:>6.1f}  {row['auto_recipe']}")
+
+
+HEADER = (f"{'model':<5} {'GEMM':<22} {'shape':<30} " + " ".join(f"{g:>7}" for g in (*GEMMS, "fwd+bwd"))
+          + f"  {'fp8 ms':>7} {'comp s':>6}  auto")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fp8_gemms: needs a CUDA GPU (sm_89+; grouped GEMMs sm_90)", file=sys.stderr)
         return 2
@@ -284,44 +419,56 @@ def main() -> int:
         "cuda": torch.version.cuda, "commit": git_commit()["commit"],
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"tokens": args.tokens, "iters": args.iters, "warmup": args.warmup,
+        "settings": {"tokens": args.tokens, "iters": args.iters, "warmup": args.warmup, "budget_s": args.budget_s,
+                     "fp8_rowwise_path": "torch.compile + moepass decompositions (Inductor), static shapes",
+                     "scaled_mm_autotune": args.autotune,
                      "linear_fast_accum": LINEAR_FAST_ACCUM, "grouped_fast_accum": GROUPED_FAST_ACCUM,
                      "thresholds_in_use": {kind: vars(v) for kind, v in fp8_recipe.FP8_ROWWISE_MIN.items()}},
         "linear": [], "grouped": [], "linear_sweep": [], "grouped_sweep": [],
     }
-    print(f"{result['gpu']} ({result['capability']}), torch {result['torch']}, torchao {result['torchao']}")
-    header = f"{'model':<5} {'GEMM':<22} {'shape':<26} " + " ".join(f"{g:>7}" for g in (*GEMMS, "fwd+bwd")) + "  auto"
-    print("\nlinears: speedup of fp8_rowwise over BF16 (quantization included)\n" + header)
-    for model, name, k, n in LINEARS:
-        row = {"model": model, "gemm": name, **bench_linear(args.tokens, k, n, args, extras=True)}
-        result["linear"].append(row)
-        print(f"{model:<5} {name:<22} {f'M={args.tokens} K={k} N={n}':<26} "
-              + " ".join(f"{row['speedup'][g]:>7.2f}" for g in (*GEMMS, "fwd+bwd")) + f"  {row['auto_recipe']}")
-    print("\ngrouped expert GEMMs\n" + header)
-    for model, name, experts, m, k, n in GROUPED:
-        row = {"model": model, "gemm": name, **bench_grouped(experts, m, k, n, args, extras=True)}
-        result["grouped"].append(row)
-        print(f"{model:<5} {name:<22} {f'E={experts} M={m} K={k} N={n}':<26} "
-              + " ".join(f"{row['speedup'][g]:>7.2f}" for g in (*GEMMS, "fwd+bwd")) + f"  {row['auto_recipe']}")
-    if not args.no_sweep:
-        for d, tokens in itertools.product(SWEEP_DIMS, SWEEP_TOKENS):
-            result["linear_sweep"].append(bench_linear(tokens, d, d, args, extras=False))
-        for experts, m, k, n in GROUPED_SWEEP:
-            result["grouped_sweep"].append(bench_grouped(experts, m, k, n, args, extras=False))
-    linear_rows = [{**r, "tokens": r["M"]} for r in result["linear"] + result["linear_sweep"]]
-    result["suggested_min_shape"] = {
-        "linear": suggest_min_shape(linear_rows, "tokens"),
-        "grouped": suggest_min_shape(result["grouped"] + result["grouped_sweep"], "tokens_per_expert"),
-    }
-    result["seconds"] = round(time.perf_counter() - began, 1)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def save():  # after every row, so a run cut short still leaves what it measured
+        result["suggested_min_shape"] = suggestions(result)
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    print(f"{result['gpu']} ({result['capability']}), torch {result['torch']}, torchao {result['torchao']}")
+    print("\nspeedup of compiled fp8_rowwise over BF16 (quantization included), fp8 ms = fwd+dgrad+wgrad\n" + HEADER)
+    result["skipped_for_time"] = []
+    for kind, shape in jobs(args):
+        if args.budget_s and time.perf_counter() - began > args.budget_s:  # a cut-short run still reports
+            result["skipped_for_time"].append([kind, list(shape)])
+            continue
+        model, name = shape[:2]
+        if kind == "linear":
+            k, n = shape[2:]
+            row = {"model": model, "gemm": name, **bench_linear(args.tokens, k, n, args, extras=True)}
+            label = f"M={args.tokens} K={k} N={n}"
+        elif kind == "grouped":
+            experts, m, k, n = shape[2:]
+            row = {"model": model, "gemm": name, **bench_grouped(experts, m, k, n, args, extras=True)}
+            label = f"E={experts} M={m} K={k} N={n}"
+        elif kind == "linear_sweep":
+            k, n, tokens = shape[2:]
+            row, label = bench_linear(tokens, k, n, args, extras=False), f"M={tokens} K={k} N={n}"
+        else:
+            experts, m, k, n = shape[2:]
+            row, label = bench_grouped(experts, m, k, n, args, extras=False), f"E={experts} M={m} K={k} N={n}"
+        result[kind].append(row)
+        print(format_row(model, name, label, row), flush=True)
+        save()
+    if result["skipped_for_time"]:
+        print(f"\n--budget-s {args.budget_s} spent: skipped {len(result['skipped_for_time'])} GEMM(s) "
+              "(listed in the JSON's skipped_for_time; rerun with --models or --budget-s 0)")
+    save()
     print(f"\nsuggested FP8_ROWWISE_MIN for moepass/fp8_recipe.py (then THRESHOLDS_SOURCE = {str(out)!r}):")
     for kind, s in result["suggested_min_shape"].items():
-        print(f"    {kind!r}: MinShape(k={s['k']}, n={s['n']}, tokens={s['tokens']}),   # {s}")
+        if s is not None:
+            print(f"    {kind!r}: MinShape(k={s['k']}, n={s['n']}, tokens={s['tokens']}),   # {s}")
     print(f"\nwrote {out} in {result['seconds']} s. The training step, FP8 recipe against BF16 Inductor:\n"
-          "    moepass bench --flavor 16B --layers 4 --batch 8 --seq 4096 --steps 12 "
+          "    moepass bench --device cuda --flavor 16B --layers 4 --batch 8 --seq 4096 --steps 10 --warmup 3 "
           "--variants inductor,all --options '{\"recipe\": \"fp8_rowwise\"}' --out examples/results/step_16B_h200")
     return 0
 

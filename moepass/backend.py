@@ -43,4 +43,11 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(report.compiled)}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    from .ops.fp8_rowwise_decomp import inductor_decompositions
+
+    # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
+    from .ops.ep_pairs import EP_PAIRS_DECOMPOSITIONS
+
+    # ...and the EP permutation ops become gathers Inductor fuses (no atomics).
+    decompositions = {**inductor_decompositions(), **EP_PAIRS_DECOMPOSITIONS}
+    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)

@@ -2,10 +2,12 @@
 
 Inductor calls it on every post-grad graph it compiles (forward and backward), so the report
 can show which moepass ops really reached the compiled graphs: the quantized dgrad and wgrad
-GEMMs only exist in the backward graph AOTAutograd derives. It never changes a graph.
+GEMMs only exist in the backward graph AOTAutograd derives. FP8-rowwise ops with kernel "scaled_mm"
+are decomposed before this point: they show as aten._scaled_mm / _scaled_grouped_mm. It never changes a graph.
 
 A custom op's Python body and autograd formula are not part of Inductor's FX-graph cache key
-or the AOTAutograd cache key, so after editing an op a warm cache could serve the old code.
+or the AOTAutograd cache key, so after editing an op (or its decomposition) a warm cache could
+serve the old code.
 Inductor does hash the `uuid()` of custom graph passes in its config: ours is a hash of every
 moepass source file. (On a cache hit the graph is not recompiled, so nothing is audited.)
 """
@@ -41,6 +43,10 @@ def graph_kind(graph: torch.fx.Graph) -> str:
     return "backward" if any(n.startswith("tangents") for n in names) else "forward"
 
 
+# aten GEMMs worth reporting; _scaled_mm / _scaled_grouped_mm are the decomposed FP8-rowwise ops' GEMMs
+GEMMS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm")
+
+
 class CompiledGraphAudit(CustomGraphPass):
     """Records the moepass ops (and plain GEMMs) of each compiled graph into `sink`."""
 
@@ -52,7 +58,7 @@ class CompiledGraphAudit(CustomGraphPass):
         for n in graph.nodes:
             t = n.target
             if n.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-                if t.namespace == "moepass" or t._opname in ("mm", "addmm", "bmm", "_grouped_mm"):
+                if t.namespace == "moepass" or t._opname in GEMMS:
                     ops[f"{t.namespace}.{t._opname}"] += 1
         self.sink.append({"kind": graph_kind(graph), "ops": dict(sorted(ops.items()))})
 

@@ -18,6 +18,7 @@ from moepass.options import OPTIONS
 from test_fp8_rowwise_ops import (
     SQNR_BARS,
     assert_sqnr,
+    forward_backward,
     fp32_grouped,
     fp32_linear,
     grouped_inputs,
@@ -175,8 +176,6 @@ def test_compiled_inductor_on_cuda_equals_eager():
         h = ops.fp8_rowwise_linear(a, b, None, False, "scaled_mm")
         return ops.fp8_rowwise_grouped_mm(torch.relu(h).reshape(-1, 128), c, offs, False, "scaled_mm")
 
-    from test_fp8_rowwise_ops import forward_backward
-
     torch._dynamo.reset()
     got = forward_backward(torch.compile(block, backend="inductor", fullgraph=True), g, x, w, w_t)
     want = forward_backward(block, g, x, w, w_t)
@@ -217,3 +216,70 @@ def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16_on_the_real_ke
             assert "scaled_mm" in kernels and "emulated" not in kernels, kernels
     assert final["bf16"] < 6.0, f"BF16 baseline did not learn: {final}"
     assert abs(final["fp8_rowwise"] - final["bf16"]) / final["bf16"] <= 0.03, final
+
+
+# ---- the decomposed ops under Inductor (what the moepass backend compiles) -----------------------------
+
+def _compiled_with_decompositions(fn, sink):
+    from torch._inductor.compile_fx import compile_fx
+
+    from moepass.cache_key import CompiledGraphAudit
+    from moepass.ops.fp8_rowwise_decomp import inductor_decompositions
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": CompiledGraphAudit(sink)},
+                          decompositions=inductor_decompositions())
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True)
+
+
+@needs_fp8
+@pytest.mark.parametrize("shape", [(64, 48), (1000, 256), (4096, 2048)])
+def test_inductor_fused_quantization_equals_eager_bit_for_bit(shape):
+    from moepass.ops import fp8_rowwise_decomp as decomp
+
+    t = _wide_range(shape, seed=shape[0] + 1)
+    for fn in (decomp.rows, decomp.cols):
+        torch._dynamo.reset()
+        q, scale = torch.compile(fn, backend="inductor", fullgraph=True)(t)
+        ref_q, ref_scale = fn(t)
+        assert q.stride() == ref_q.stride() and torch.equal(scale, ref_scale), fn.__name__
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), fn.__name__
+
+
+@needs_fp8
+@pytest.mark.parametrize("case", [0, 1, 3, 4])
+def test_compiled_decomposed_linear_matches_eager_and_clears_bars(case):
+    x_shape, n = LINEAR_SHAPES[case]
+    x, w, g = linear_inputs(x_shape, n, seed=1400 + case, device="cuda")
+    audit = []
+    fn = _compiled_with_decompositions(lambda a, b: ops.fp8_rowwise_linear(a, b, None, False, "scaled_mm"), audit)
+    got = forward_backward(fn, g, x, w)
+    want = op_linear(x, w, g, kernel="scaled_mm")
+    for name, a, b in zip(("out", "grad input", "grad weight"), got, want):
+        assert a.shape == b.shape and sqnr(b, a) >= CLOSE_TO_EMULATED_DB, (name, sqnr(b, a))
+    assert_sqnr(fp32_linear(x, w, g), got, SQNR_BARS, f"compiled linear {x_shape} N={n}")
+    graphs = {c["kind"]: c["ops"] for c in audit}
+    assert graphs["forward"] == {"aten._scaled_mm": 1} and graphs["backward"] == {"aten._scaled_mm": 2}, graphs
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", range(len(GROUPED_SHAPES)))
+def test_compiled_decomposed_grouped_matches_eager_and_clears_bars(case):
+    sizes, k, n = GROUPED_SHAPES[case]
+    x, w_t, offs, g = grouped_inputs(sizes, k, n, seed=1500 + case, device="cuda", trailing_tokens=5)
+    audit = []
+    fn = _compiled_with_decompositions(lambda a, b, o: ops.fp8_rowwise_grouped_mm(a, b, o, False, "scaled_mm"), audit)
+    got = forward_backward(fn, g, x, w_t, offs)
+    want = op_grouped(x, w_t, offs, g, kernel="scaled_mm")
+    for name, a, b in zip(("out", "grad input", "grad weight"), got, want):
+        assert a.shape == b.shape and a.stride() == b.stride(), name
+        assert sqnr(b, a) >= CLOSE_TO_EMULATED_DB, (name, sqnr(b, a))
+    inside = int(offs[-1])
+    assert not got[0][inside:].any() and not got[1][inside:].any()  # trailing tokens: zero, as the op gives
+    assert_sqnr(fp32_grouped(x[:inside], w_t, offs, g[:inside]), (got[0][:inside], got[1][:inside], got[2]),
+                SQNR_BARS, f"compiled grouped {sizes} K={k} N={n}")
+    graphs = {c["kind"]: c["ops"] for c in audit}
+    assert graphs["forward"] == {"aten._scaled_grouped_mm": 1}, graphs
+    assert graphs["backward"] == {"aten._scaled_grouped_mm": 1, "moepass.fp8_rowwise_grouped_mm_wgrad": 1}, graphs

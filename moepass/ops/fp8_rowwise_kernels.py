@@ -1,7 +1,8 @@
 """Which FP8-rowwise implementation can run on a device, and why: torch._scaled_(grouped_)mm, or emulation.
 
-"scaled_mm": e4m3 quantization in Triton (torchao's rowwise kernels and ours), GEMMs on FP8 tensor
-cores through torch._scaled_mm (sm_89+) and torch._scaled_grouped_mm (its CUTLASS kernel is sm_90 only).
+"scaled_mm": GEMMs on FP8 tensor cores through torch._scaled_mm (sm_89+) and torch._scaled_grouped_mm (its
+CUTLASS kernel is sm_90 only); e4m3 quantization fused by Inductor from plain torch when compiled
+(fp8_rowwise_decomp), else eager torch (linears) or Triton kernels (torchao's and ours, grouped GEMMs).
 "emulated": the same quantization in plain torch, exact dequantization, a BF16 GEMM; runs anywhere.
 """
 

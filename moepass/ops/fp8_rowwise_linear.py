@@ -4,6 +4,8 @@ y = x @ W.T (+ b) with x scaled per row and W per output channel (both along K);
 per row and W per input channel (both along N); wgrad scales grad_out and x per column (along tokens).
 Every scale is a power of two (fp8_rowwise_quant); the GEMMs are torch._scaled_mm on sm_89+
 (kernel "scaled_mm") or exact dequantization and a BF16 GEMM (kernel "emulated", same numerics).
+Kernel "scaled_mm" runs fp8_rowwise_decomp's plain-torch quantization: eagerly here, and fused by Inductor
+when the moepass backend decomposes these ops (so eager and compiled share one definition, no autotuning).
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import ALIGN, check_aligned, check_kernel
+from .fp8_rowwise_args import check_aligned, check_kernel
 from .gemm_args import check_bf16
 
 # torchao Float8Linear's rowwise defaults: fast accumulation only where the reduction is over K of the
@@ -23,18 +24,15 @@ from .gemm_args import check_bf16
 FAST_ACCUM = {"fwd": True, "dgrad": False, "wgrad": False}
 
 
-def _scaled_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, kernel: str, gemm: str) -> Tensor:
-    """a [M, K] (scale [M, 1]) @ b [K, N] (scale [1, N]) -> bf16 [M, N]; b column-major for "scaled_mm"."""
-    if kernel == "emulated":
-        return torch.mm(quant.dequantize(a_q, a_scale), quant.dequantize(b_q, b_scale))
-    return torch._scaled_mm(a_q, b_q, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
-                            out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM[gemm])
+def _emulated_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
+    """a [M, K] (scale [M, 1]) @ b [K, N] (scale [1, N]) -> bf16 [M, N], dequantized exactly."""
+    return torch.mm(quant.dequantize(a_q, a_scale), quant.dequantize(b_q, b_scale))
 
 
-def _pad_rows(t: Tensor) -> Tensor:
-    """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs every dim a multiple of 16."""
-    missing = -t.shape[0] % ALIGN
-    return F.pad(t, (0, 0, 0, missing)) if missing else t  # F.pad copies even when it pads nothing
+def _decomp():
+    from . import fp8_rowwise_decomp  # imports this module: loaded on first use
+
+    return fp8_rowwise_decomp
 
 
 def _check_linear(op: str, name: str, t: Tensor, weight: Tensor, kernel: str) -> None:
@@ -62,12 +60,14 @@ def fp8_rowwise_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], wgrad_
     _check_forward(x, weight, bias, kernel)
     x2 = x.reshape(-1, x.shape[-1])
     tokens = x2.shape[0]
+    if tokens and kernel == "scaled_mm":
+        return _decomp().linear(x, weight, bias)
     if tokens == 0:
         y = x2.new_zeros(0, weight.shape[0])
     else:
-        x_q, x_scale = quant.rows(x2 if kernel == "emulated" else _pad_rows(x2), kernel)
-        w_q, w_scale = quant.rows(weight, kernel)
-        y = _scaled_mm(x_q, x_scale, w_q.t(), w_scale.reshape(1, -1), kernel, "fwd")[:tokens]
+        x_q, x_scale = quant.quantize(x2, -1)
+        w_q, w_scale = quant.quantize(weight, -1)
+        y = _emulated_mm(x_q, x_scale, w_q.t(), w_scale.reshape(1, -1))
     if bias is not None:
         y = y + bias  # bf16 add after the GEMM, as the MXFP8 linear does
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -97,9 +97,11 @@ def fp8_rowwise_linear_dgrad(grad_out: Tensor, weight: Tensor, kernel: str) -> T
     tokens = g2.shape[0]
     if tokens == 0:
         return grad_out.new_zeros(*grad_out.shape[:-1], weight.shape[1])
-    g_q, g_scale = quant.rows(g2 if kernel == "emulated" else _pad_rows(g2), kernel)
-    w_q, w_scale = quant.cols(weight, kernel)
-    grad_x = _scaled_mm(g_q, g_scale, w_q, w_scale, kernel, "dgrad")[:tokens]
+    if kernel == "scaled_mm":
+        return _decomp().linear_dgrad(grad_out, weight)
+    g_q, g_scale = quant.quantize(g2, -1)
+    w_q, w_scale = quant.quantize(weight, 0)
+    grad_x = _emulated_mm(g_q, g_scale, w_q, w_scale)
     return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
@@ -126,11 +128,11 @@ def fp8_rowwise_linear_wgrad(grad_out: Tensor, x: Tensor, kernel: str) -> Tensor
     g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
     if g2.shape[0] == 0:
         return x.new_zeros(g2.shape[1], x2.shape[1])  # no tokens: no column has an amax
-    if kernel != "emulated":  # zero token rows: they add nothing, and _scaled_mm needs K % 16 == 0
-        g2, x2 = _pad_rows(g2), _pad_rows(x2)
-    g_q, g_scale = quant.cols(g2, kernel)  # [M, N] column-major: g_q.t() is row-major [N, M]
-    x_q, x_scale = quant.cols(x2, kernel)  # [M, K] column-major
-    return _scaled_mm(g_q.t(), g_scale.reshape(-1, 1), x_q, x_scale, kernel, "wgrad")
+    if kernel == "scaled_mm":
+        return _decomp().linear_wgrad(grad_out, x)
+    g_q, g_scale = quant.quantize(g2, 0)  # scaled per column, along tokens
+    x_q, x_scale = quant.quantize(x2, 0)
+    return _emulated_mm(g_q.t(), g_scale.reshape(-1, 1), x_q, x_scale)
 
 
 @fp8_rowwise_linear_wgrad.register_fake

@@ -2,8 +2,9 @@
 
 scale = 2^floor(log2(448 / max(amax, 1e-12))), q = e4m3(clamp(t * scale, -448, 448)); the GEMMs take
 1 / scale, torch._scaled_mm's convention. These are the numerics of torchao's rowwise Triton kernels
-with round_scales_to_power_of_2=True, written once here in plain torch (kernel "emulated") and
-dispatched to those kernels (kernel "scaled_mm"), which also lay the data out as the FP8 GEMMs read it.
+with round_scales_to_power_of_2=True, written once here in plain torch (kernel "emulated", and the
+"scaled_mm" path Inductor fuses: fp8_rowwise_decomp) and dispatched to those kernels (the grouped ops'
+eager "scaled_mm" path), which also lay the data out as the FP8 GEMMs read it.
 Power-of-two scales make dequantization exact: the emulated BF16 GEMM sees the tensor cores' operands.
 
 Every function returns (q, scale) with q of the input's logical shape and scale keeping the reduced dim.

@@ -1,0 +1,192 @@
+"""The FP8-rowwise ops' "scaled_mm" kernel in plain torch, and the decomposition table that hands it to Inductor.
+
+Inside an opaque custom op the rowwise quantization is its own kernels, unfused and (torchao's) autotuned
+per shape. Decomposed by AOTAutograd, Inductor sees amax -> power-of-two scale -> e4m3 cast as ordinary
+ops: one fused reduction kernel per operand, which can also absorb the operand's producer (RMSNorm,
+SiLU * up) and a transposed write, while torch._scaled_mm / _scaled_grouped_mm stay the GEMMs.
+Same numbers as the ops: fp8_rowwise_quant.quantize (power-of-two scales), the same layouts, scale
+shapes, padding and FAST_ACCUM tables. The linear ops run these same functions eagerly for "scaled_mm".
+
+Column-major operands are quantized as `t.t()` along its last dim into a row-major buffer, then viewed
+back with `.t()`: Inductor writes the transposed layout from the quantization kernel itself.
+The grouped wgrad is not decomposed: its Triton kernel writes the padded token-group layout directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from . import fp8_rowwise_grouped_mm, fp8_rowwise_linear
+from . import fp8_rowwise_quant as quant
+from .fp8_rowwise_args import ALIGN
+
+BF16 = torch.bfloat16
+
+
+# ---- operands in the layouts the FP8 GEMMs read --------------------------------------------------
+
+def rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., R, C] -> q row-major, scale [..., R, 1]: scaled along the last dim."""
+    q, scale = quant.quantize(t, -1)
+    return q.contiguous(), scale
+
+
+def cols(t: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., R, C] -> q [..., R, C] column-major, scale [..., 1, C]: scaled down each column."""
+    q_t, scale = rows(t.transpose(-2, -1))
+    return q_t.transpose(-2, -1), scale.transpose(-2, -1)
+
+
+def pad_tokens(t: Tensor) -> Tensor:
+    """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs its reduction dim % 16 == 0."""
+    missing = -t.shape[0] % ALIGN
+    return t if statically_known_true(missing == 0) else F.pad(t, (0, 0, 0, missing))
+
+
+def _scaled_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, gemm: str) -> Tensor:
+    """a [M, K] row-major (scale [M, 1]) @ b [K, N] column-major (scale [1, N]) -> bf16; scales are multipliers."""
+    return torch._scaled_mm(a_q, b_q, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                            out_dtype=BF16, use_fast_accum=fp8_rowwise_linear.FAST_ACCUM[gemm])
+
+
+def _scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
+    return torch._scaled_grouped_mm(a_q, b_q, a_scale.reciprocal(), b_scale.reciprocal(), offs,
+                                    out_dtype=BF16, use_fast_accum=fp8_rowwise_grouped_mm.FAST_ACCUM)
+
+
+def zero_rows_after_last_group(out: Tensor, offs: Tensor) -> Tensor:
+    """The grouped GEMM leaves rows at or after offs[-1] unwritten; a pointwise select Inductor fuses onward."""
+    rows_ = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
+    return torch.where(rows_ < offs[-1:], out, out.new_zeros(()))
+
+
+# ---- the five GEMMs, kernel "scaled_mm" ----------------------------------------------------------
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """moepass::fp8_rowwise_linear: x per token and W per output channel, both along K."""
+    x2 = x.reshape(-1, x.shape[-1])
+    tokens = x2.shape[0]
+    x_q, x_scale = rows(pad_tokens(x2))
+    w_q, w_scale = rows(weight)  # [N, K] row-major: its .t() is the column-major right operand
+    y = _scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), "fwd")[:tokens]
+    if bias is not None:
+        y = y + bias  # bf16 add after the GEMM, as the op does
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_dgrad(grad_out: Tensor, weight: Tensor) -> Tensor:
+    """moepass::fp8_rowwise_linear_dgrad: grad_out per token and W per input channel, both along N."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    tokens = g2.shape[0]
+    g_q, g_scale = rows(pad_tokens(g2))
+    w_q, w_scale = cols(weight)  # [N, K] column-major, [1, K]
+    grad_x = _scaled_mm(g_q, g_scale, w_q, w_scale, "dgrad")[:tokens]
+    return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+
+
+def linear_wgrad(grad_out: Tensor, x: Tensor) -> Tensor:
+    """moepass::fp8_rowwise_linear_wgrad: grad_out.T @ x, both scaled along tokens (zero rows pad tokens to 16)."""
+    g2, x2 = pad_tokens(grad_out.reshape(-1, grad_out.shape[-1])), pad_tokens(x.reshape(-1, x.shape[-1]))
+    g_q, g_scale = cols(g2)  # [M, N] column-major: .t() is row-major [N, M], scale [N, 1]
+    x_q, x_scale = cols(x2)  # [M, K] column-major, [1, K]
+    return _scaled_mm(g_q.t(), g_scale.t(), x_q, x_scale, "wgrad")
+
+
+def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
+    """moepass::fp8_rowwise_grouped_mm: x per token, each expert's weight per output channel (along K)."""
+    x_q, x_scale = rows(x)  # [M, K], [M, 1]
+    w_q, w_scale = cols(w_t)  # [E, K, N] column-major, [E, 1, N]
+    out = _scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
+    return zero_rows_after_last_group(out, offs)
+
+
+def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
+    """moepass::fp8_rowwise_grouped_mm_dgrad: grad_out per token, each expert's weight per input channel (along N)."""
+    g_q, g_scale = rows(grad_out)  # [M, N], [M, 1]
+    w_q, w_scale = rows(w_t)  # [E, K, N] row-major: its transpose is dgrad's column-major [E, N, K]
+    grad_x = _scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
+    return zero_rows_after_last_group(grad_x, offs)
+
+
+# ---- decompositions: only kernel "scaled_mm"; "emulated" stays the op it is -------------------------
+
+def _maybe_empty(m) -> bool:
+    """Token count not known to be positive (0, or data dependent): keep the op, which handles zero tokens."""
+    return not statically_known_true(m > 0)
+
+
+def _decompose_linear(x, weight, bias, wgrad_bf16, kernel):
+    return linear(x, weight, bias) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_linear_dgrad(grad_out, weight, kernel):
+    return linear_dgrad(grad_out, weight) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_linear_wgrad(grad_out, x, kernel):
+    if kernel != "scaled_mm" or _maybe_empty(math.prod(grad_out.shape[:-1])):  # amax over no tokens fails
+        return NotImplemented
+    return linear_wgrad(grad_out, x)
+
+
+def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel):
+    if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
+        return NotImplemented
+    return grouped_mm(x, w_t, offs)
+
+
+def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel):
+    if kernel != "scaled_mm" or _maybe_empty(grad_out.shape[0]):
+        return NotImplemented
+    return grouped_mm_dgrad(grad_out, w_t, offs)
+
+
+def fp8_rowwise_decompositions() -> dict:
+    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
+    ops = torch.ops.moepass
+    return {
+        ops.fp8_rowwise_linear.default: _decompose_linear,
+        ops.fp8_rowwise_linear_dgrad.default: _decompose_linear_dgrad,
+        ops.fp8_rowwise_linear_wgrad.default: _decompose_linear_wgrad,
+        ops.fp8_rowwise_grouped_mm.default: _decompose_grouped_mm,
+        ops.fp8_rowwise_grouped_mm_dgrad.default: _decompose_grouped_mm_dgrad,
+    }
+
+
+def inductor_decompositions() -> dict:
+    """Inductor's default table plus ours: what the moepass backend passes to compile_fx."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    register_inductor_fallbacks()
+    return {**select_decomp_table(), **fp8_rowwise_decompositions()}
+
+
+@functools.lru_cache(maxsize=None)
+def register_inductor_fallbacks() -> None:
+    """Lowerings for the ops a decomposition declined (kernel "emulated", maybe-empty tokens).
+
+    Inductor refuses to create a fallback on the fly for an op that has an entry in its decomposition
+    table ("both a fallback and a decomp for same op"), so register the fallback it would have made.
+    """
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    for op in fp8_rowwise_decompositions():
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=_default_layout_constraint(op), warn=False, override_decomp=True)
+
+
+def _default_layout_constraint(op):
+    """The stride constraint Inductor's implicit fallback gives a custom op (torch 2.11-2.13 internals)."""
+    try:
+        from torch._inductor.lowering import tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:
+        return None
+    return tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))

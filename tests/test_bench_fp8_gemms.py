@@ -1,0 +1,101 @@
+"""examples/bench_fp8_gemms.py without a GPU: its shape lists, summaries, threshold suggestion, and one linear
+row built on CPU (torch._scaled_mm's CPU kernel, a CPU timer, aot_eager with moepass's decompositions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from moepass.ops import fp8_rowwise_decomp as decomp
+from test_fp8_rowwise_decomp import scaled_mm_on_cpu  # noqa: F401  (fixture)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = os.path.join(REPO, "examples", "bench_fp8_gemms.py")
+    spec = importlib.util.spec_from_file_location("bench_fp8_gemms", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_shapes_are_few_aligned_and_filterable(bench):
+    linears, grouped = bench.shape_lists(bench.parse_args([]))
+    assert len(linears) == 12 and len(grouped) == 4  # what fits in ~2 minutes of compiles on an H200 host
+    assert all(k % 16 == 0 and n % 16 == 0 for *_, k, n in linears + grouped)
+    linears, grouped = bench.shape_lists(bench.parse_args(["--models", "16B", "--no-grouped"]))
+    assert {s[0] for s in linears} == {"16B"} and grouped == []
+    more, _ = bench.shape_lists(bench.parse_args(["--more-shapes"]))
+    assert len(more) == len(bench.LINEARS) + len(bench.MORE_LINEARS)
+    assert not bench.parse_args([]).sweep and bench.parse_args(["--sweep"]).sweep
+
+
+def test_jobs_run_16b_first_and_the_sweep_only_on_request(bench):
+    args = bench.parse_args([])
+    kinds = [(kind, shape[0]) for kind, shape in bench.jobs(args)]
+    assert kinds[:8] == [("linear", "16B")] * 6 + [("grouped", "16B")] * 2 and len(kinds) == 16
+    assert args.budget_s == 90.0  # the default run stays within ~2 minutes
+    sweep = bench.parse_args(["--sweep", "--models", "671B"])
+    kinds = [kind for kind, _ in bench.jobs(sweep)]
+    assert sweep.budget_s == 0 and kinds.count("linear_sweep") == 12 and kinds.count("grouped_sweep") == 6
+    assert kinds.count("linear") == 6 and kinds.count("grouped") == 2
+
+
+def test_summary_and_suggested_min_shape(bench):
+    def row(k, n, tokens, fp8_ms):
+        return {"K": k, "N": n, "tokens": tokens, **bench.summarize(
+            {"fwd": 1.0, "dgrad": 1.0, "wgrad": 1.0}, {"fwd": fp8_ms, "dgrad": fp8_ms, "wgrad": fp8_ms}, 1e9)}
+
+    rows = [row(512, 512, 1024, 1.5), row(2048, 2048, 16384, 0.6), row(4096, 4096, 16384, 0.5)]
+    assert rows[1]["speedup"]["fwd+bwd"] == pytest.approx(1 / 0.6, abs=1e-3)
+    assert rows[1]["saved_ms"] == pytest.approx(1.2)
+    best = bench.suggest_min_shape(rows, "tokens")
+    assert best["gemms_to_fp8"] == 2 and best["saved_ms"] == pytest.approx(1.2 + 1.5)  # both faster GEMMs
+    assert not (512 >= best["k"] and 512 >= best["n"] and 1024 >= best["tokens"])  # and not the slower one
+    assert bench.suggest_min_shape(rows[:1], "tokens")["k"] is None  # slower everywhere: say so
+    assert bench.suggestions({"linear": [], "linear_sweep": [], "grouped": [], "grouped_sweep": []}) == \
+        {"linear": None, "grouped": None}
+
+
+def test_grouped_reference_is_per_group_fp32(bench):
+    sizes = [3, 0, 5]
+    x, g = torch.randn(8, 32).to(torch.bfloat16), torch.randn(8, 16).to(torch.bfloat16)
+    w_t = torch.randn(3, 32, 16).to(torch.bfloat16)
+    ref = bench.grouped_reference(x, w_t, g, sizes)
+    torch.testing.assert_close(ref["fwd"][3:], x[3:].float() @ w_t[2].float())
+    torch.testing.assert_close(ref["wgrad"][0], x[:3].float().t() @ g[:3].float())
+    assert not ref["wgrad"][1].any() and sum(bench.routed_group_sizes(8, 1000, seed=0)) == 1000
+
+
+def test_linear_row_on_cpu(bench, scaled_mm_on_cpu, monkeypatch):  # noqa: F811
+    def cpu_compiled(fn, autotune):
+        return torch.compile(fn, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                                                      decompositions=decomp.fp8_rowwise_decompositions()),
+                             dynamic=False, fullgraph=True)
+
+    def cpu_time_ms(fn, warmup, iters):
+        began = time.perf_counter()
+        fn()
+        return (time.perf_counter() - began) * 1e3
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "compiled", cpu_compiled)
+    monkeypatch.setattr(bench, "time_ms", cpu_time_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = bench.parse_args(["--iters", "1", "--warmup", "0", "--train-step"])
+    row = bench.bench_linear(40, 64, 48, args, extras=True)  # 40 tokens: padded to 48 inside
+    assert row["bitwise_equal_to_eager_op"] == {"fwd": True, "dgrad": True, "wgrad": True}
+    assert set(row["fp8_gemm_ms"]) == {"fwd", "dgrad", "wgrad", "fwd_no_fast_accum", "dgrad_no_fast_accum",
+                                       "wgrad_no_fast_accum"}
+    assert all(v > 20 for v in row["sqnr_db"].values()), row["sqnr_db"]
+    assert row["speedup"]["fwd+bwd"] > 0 and row["train_step"]["fp8_rowwise_ms"] > 0
+    assert row["auto_recipe"] and "blockwise" not in row  # opt-in
+    print(bench.format_row("16B", "test", "M=40", row))

@@ -1,0 +1,254 @@
+"""moepass/ops/fp8_rowwise_decomp.py on CPU: the FP8-rowwise ops' "scaled_mm" kernel as plain torch.
+
+torch._scaled_mm has a CPU kernel, so the linear's decomposition runs for real here (kernel choice
+patched to allow "scaled_mm" on CPU). torch._scaled_grouped_mm has none: a CPU stand-in that checks
+the CUDA kernel's layout and scale-shape rules takes its place. Power-of-two scales make every result
+bit-equal to the emulated kernel. GPU counterparts: tests/test_fp8_rowwise_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import moepass
+import moepass.ops  # noqa: F401  (registers the ops)
+from moepass.cache_key import CompiledGraphAudit
+from moepass.ops import fp8_rowwise_decomp as decomp
+from moepass.ops import fp8_rowwise_kernels
+from test_fp8_rowwise_ops import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, op_grouped,
+                                  op_linear)
+
+ops = torch.ops.moepass
+BF16 = torch.bfloat16
+FP8_OPS = {getattr(ops, name).default for name in (
+    "fp8_rowwise_linear", "fp8_rowwise_linear_dgrad", "fp8_rowwise_linear_wgrad",
+    "fp8_rowwise_grouped_mm", "fp8_rowwise_grouped_mm_dgrad", "fp8_rowwise_grouped_mm_wgrad")}
+
+
+@pytest.fixture
+def scaled_mm_on_cpu(monkeypatch):
+    """Let kernel "scaled_mm" pass the ops' checks on CPU (linears run torch._scaled_mm's CPU kernel)."""
+    original = fp8_rowwise_kernels.choose_fp8_rowwise_kernel
+
+    def choose(device, grouped):
+        if torch.device(device).type == "cpu":
+            return "scaled_mm", "test: torch._scaled_mm on CPU"
+        return original(device, grouped)
+
+    monkeypatch.setattr(fp8_rowwise_kernels, "choose_fp8_rowwise_kernel", choose)
+    monkeypatch.setattr(fp8_rowwise_kernels, "_choice_on", choose)  # the ops' cached lookup
+
+
+def _scaled_grouped_mm_standin(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                               use_fast_accum=False):
+    """CPU torch._scaled_grouped_mm for the 2d-3d form: the CUDA kernel's layout rules, then exact dequantization."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.dim() == 2 and b.dim() == 3
+    assert a.stride(1) == 1 and b.stride(1) == 1, (a.stride(), b.stride())  # row-major A, column-major B
+    assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+    assert scale_a.is_contiguous() and scale_b.is_contiguous() and offs.dtype == torch.int32
+    assert out_dtype == BF16 and use_fast_accum and bias is None
+    out = torch._grouped_mm((a.float() * scale_a[:, None]).to(BF16), (b.float() * scale_b[:, None, :]).to(BF16),
+                            offs=offs)
+    out[int(offs[-1]):] = float("nan")  # the CUDA kernel leaves these rows unwritten
+    return out
+
+
+@pytest.fixture
+def scaled_grouped_mm_on_cpu(scaled_mm_on_cpu):
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_grouped_mm", _scaled_grouped_mm_standin, "CPU")
+    yield
+    lib._destroy()
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+def test_table_covers_five_ops_and_leaves_the_grouped_wgrad_opaque():
+    table = decomp.fp8_rowwise_decompositions()
+    assert set(table) == FP8_OPS - {ops.fp8_rowwise_grouped_mm_wgrad.default}
+    merged = decomp.inductor_decompositions()
+    assert set(table) <= set(merged) and torch.ops.aten.addmm.default in merged  # Inductor's own table kept
+
+
+def test_emulated_kernel_is_not_decomposed():
+    x, w, g = linear_inputs((32, 64), 48, seed=1)
+    xg, w_t, offs, gg = grouped_inputs([10, 22], 64, 48, seed=2)
+    table = decomp.fp8_rowwise_decompositions()
+    calls = {ops.fp8_rowwise_linear.default: (x, w, None, False, "emulated"),
+             ops.fp8_rowwise_linear_dgrad.default: (g, w, "emulated"),
+             ops.fp8_rowwise_linear_wgrad.default: (g, x, "emulated"),
+             ops.fp8_rowwise_grouped_mm.default: (xg, w_t, offs, False, "emulated"),
+             ops.fp8_rowwise_grouped_mm_dgrad.default: (gg, w_t, offs, "emulated")}
+    for op, args in calls.items():
+        assert table[op](*args) is NotImplemented, op
+
+
+def test_token_counts_that_may_be_zero_keep_the_op():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert decomp._maybe_empty(0) and not decomp._maybe_empty(16)
+    assert decomp._maybe_empty(ShapeEnv().create_unbacked_symint())  # e.g. tokens received by expert parallelism
+
+
+# ---- numerics: bit-equal to the emulated kernel ----------------------------------------------------
+
+LINEAR_CASES = [((64, 64), 96), ((2, 25, 128), 64), ((7, 32), 32), ((3, 5, 48), 16)]  # tokens % 16 != 0 too
+
+
+@pytest.mark.parametrize("x_shape, n", LINEAR_CASES)
+def test_linear_scaled_mm_equals_emulated_bit_for_bit(scaled_mm_on_cpu, x_shape, n):
+    x, w, g = linear_inputs(x_shape, n, seed=sum(x_shape) + n)
+    want = op_linear(x, w, g, kernel="emulated")
+    assert_all_equal(op_linear(x, w, g, kernel="scaled_mm"), want, f"eager op {x_shape}")
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, n)
+    direct = (decomp.linear(x, w, None), decomp.linear_dgrad(g, w), decomp.linear_wgrad(g2, x2))
+    assert_all_equal(direct, want, f"decomposition {x_shape}")
+
+
+def test_linear_bias_and_zero_tokens(scaled_mm_on_cpu):
+    x, w, g = linear_inputs((2, 20, 64), 32, seed=3)
+    bias = torch.randn(32).to(BF16)
+    fn = lambda kernel: lambda a, b, c: ops.fp8_rowwise_linear(a, b, c, False, kernel)  # noqa: E731
+    got = forward_backward(fn("scaled_mm"), g, x, w, bias)
+    want = forward_backward(fn("emulated"), g, x, w, bias)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    x, w, g = linear_inputs((0, 64), 32, seed=4)
+    out, grad_x, grad_w = op_linear(x, w, g, kernel="scaled_mm")
+    assert out.shape == (0, 32) and grad_x.shape == (0, 64) and not grad_w.any()
+
+
+def test_operand_layouts():
+    t = torch.randn(48, 32).to(BF16)
+    q, scale = decomp.rows(t)
+    assert q.is_contiguous() and scale.shape == (48, 1)
+    q, scale = decomp.cols(t)
+    assert q.t().is_contiguous() and scale.shape == (1, 32)  # column-major, as the right operand is read
+    w_t = torch.randn(4, 48, 32).to(BF16).transpose(-2, -1)  # [E, K=32, N=48], as models pass it
+    q, scale = decomp.cols(w_t)
+    assert q.stride(1) == 1 and scale.shape == (4, 1, 48)
+    assert decomp.pad_tokens(torch.ones(20, 16)).shape == (32, 16) and decomp.pad_tokens(t) is t
+
+
+@pytest.mark.parametrize("sizes, trailing", [([10, 0, 50, 40], 0), ([33, 31, 1, 0], 7), ([5], 3)])
+def test_grouped_scaled_mm_equals_emulated_bit_for_bit(scaled_grouped_mm_on_cpu, sizes, trailing):
+    x, w_t, offs, g = grouped_inputs(sizes, 64, 48, seed=sum(sizes), trailing_tokens=trailing)
+    out, grad_x, _ = op_grouped(x, w_t, offs, g, kernel="emulated")
+    assert torch.equal(decomp.grouped_mm(x, w_t, offs), out)  # rows past offs[-1]: zero, not the stand-in's NaN
+    assert torch.equal(decomp.grouped_mm_dgrad(g, w_t, offs), grad_x)
+
+
+# ---- AOTAutograd applies the table: forward op and the backward ops its autograd calls --------------
+
+def _graphs_backend(graphs):
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
+                        decompositions=decomp.fp8_rowwise_decompositions())
+
+
+def _block(x, w, w_t, offs, kernel):
+    h = ops.fp8_rowwise_linear(x, w, None, True, kernel)  # wgrad_bf16: the grouped wgrad has no CPU kernel
+    return ops.fp8_rowwise_grouped_mm(torch.relu(h).reshape(-1, h.shape[-1]), w_t, offs, True, kernel)
+
+
+def test_aot_graphs_hold_scaled_mm_and_no_fp8_op(scaled_grouped_mm_on_cpu):
+    x, w, _ = linear_inputs((2, 25, 64), 64, seed=5)
+    _, w_t, offs, g = grouped_inputs([20, 0, 27], 64, 48, seed=6, trailing_tokens=3)
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: _block(*a, "scaled_mm"), backend=_graphs_backend(graphs), fullgraph=True)
+    got = forward_backward(compiled, g, x, w, w_t, offs)
+    aten = torch.ops.aten
+    assert {aten._scaled_mm.default, aten._scaled_grouped_mm.default} <= graphs["fw"]
+    assert {aten._scaled_mm.default, aten._scaled_grouped_mm.default} <= graphs["bw"]  # the two dgrads
+    assert not (graphs["fw"] | graphs["bw"]) & FP8_OPS
+    assert_all_equal(got[:3], forward_backward(lambda *a: _block(*a, "emulated"), g, x, w, w_t, offs)[:3], "block")
+
+
+def test_emulated_graphs_keep_the_ops():
+    x, w, _ = linear_inputs((32, 64), 64, seed=7)
+    _, w_t, offs, g = grouped_inputs([12, 20], 64, 48, seed=8)
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: _block(*a, "emulated"), backend=_graphs_backend(graphs), fullgraph=True)
+    forward_backward(compiled, g, x, w, w_t, offs)
+    assert {ops.fp8_rowwise_linear.default, ops.fp8_rowwise_grouped_mm.default} <= graphs["fw"]
+    assert torch.ops.aten._scaled_mm.default not in graphs["fw"] | graphs["bw"]
+
+
+def test_dynamic_token_count_decomposes_once(scaled_mm_on_cpu):
+    graphs = {}
+    counts = []
+    backend = _graphs_backend(graphs)
+
+    def counting(gm, example_inputs):
+        counts.append(1)
+        return backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: ops.fp8_rowwise_linear(x, w, None, False, "scaled_mm"), backend=counting,
+                       dynamic=True)
+    for m in (40, 72, 17):  # padded to 48, 80 and 32 tokens inside the graph
+        x, w, _ = linear_inputs((m, 64), 32, seed=m)
+        assert torch.equal(fn(x, w), ops.fp8_rowwise_linear(x, w, None, False, "emulated"))
+    assert len(counts) == 1 and torch.ops.aten._scaled_mm.default in graphs["fw"]
+
+
+# ---- the moepass backend hands the table to Inductor ---------------------------------------------------
+
+def test_backend_passes_the_table_to_compile_fx(monkeypatch):
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, **kwargs):
+        seen.update(kwargs)
+        return gm.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    torch._dynamo.reset()
+    torch.compile(torch.nn.Linear(32, 16), backend="moepass")(torch.randn(4, 32))
+    table = seen["decompositions"]
+    assert set(decomp.fp8_rowwise_decompositions()) <= set(table) and torch.ops.aten.addmm.default in table
+    assert isinstance(seen["config_patches"]["post_grad_custom_post_pass"], CompiledGraphAudit)
+
+
+class _TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96, bias=False)
+        self.down = torch.nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_inductor_through_the_backend_runs_scaled_mm_bit_equal_to_emulated(scaled_mm_on_cpu):
+    torch.manual_seed(0)
+    model = _TwoLinears().to(BF16)
+    x = torch.randn(2, 25, 64).to(BF16)
+    results, audits = {}, {}
+    for kernel in ("scaled_mm", "emulated"):
+        torch._dynamo.reset()
+        m = _TwoLinears().to(BF16)
+        m.load_state_dict(model.state_dict())
+        options = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": kernel}
+        with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            out = torch.compile(m, backend="moepass", options=options)(x)
+            out.float().square().sum().backward()
+        results[kernel] = (out.detach(), m.up.weight.grad, m.down.weight.grad)
+        audits[kernel] = {c["kind"]: c["ops"] for c in report.compiled}
+    # `up` is rewritten (`down`, the last linear, is left alone as an output head): its three GEMMs in FP8
+    fp8 = audits["scaled_mm"]
+    assert fp8["forward"].get("aten._scaled_mm") == 1 and fp8["backward"].get("aten._scaled_mm") == 1  # wgrad
+    assert not any(op.startswith("moepass.") for ops_ in fp8.values() for op in ops_), fp8
+    assert audits["emulated"]["forward"].get("moepass.fp8_rowwise_linear") == 1
+    for a, b in zip(results["scaled_mm"], results["emulated"]):
+        assert torch.equal(a, b)
