@@ -87,8 +87,8 @@ def validation_loss(forward, batches, n: int, device: torch.device) -> float:
     return statistics.mean(losses)
 
 
-def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, steps: int, lr: float, seed: int,
-                  device: torch.device, val_n: int, log_every: int) -> dict:
+def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, steps: int, lr: float, lr_warmup: int,
+                  seed: int, device: torch.device, val_n: int, log_every: int) -> dict:
     from .train import train
 
     entry = {"backend": variant.backend or "eager", "options": variant.options}
@@ -102,7 +102,7 @@ def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, st
             if r.step == 0 or (r.step + 1) % log_every == 0 or r.step + 1 == steps:
                 say(f"  {variant.name:<18} step {r.step + 1:>5}/{steps}  loss {r.loss:8.4f}  {r.seconds * 1e3:9.1f} ms")
 
-        results = train(model, forward, batches, steps, device, lr=lr, on_step=on_step)
+        results = train(model, forward, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup)
         entry.update(status="ok", loss=[r.loss for r in results],
                      val_loss=validation_loss(forward, val_batches, val_n, device))
     except Exception as e:  # noqa: BLE001 - report the failure, compare what did run
@@ -121,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=20, help="moving-average window, steps")
     p.add_argument("--val-batches", type=int, default=8, help="held-out batches for the final validation loss")
     p.add_argument("--out", default=".", help="directory for converge.json and converge.png")
+    p.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
+                   help="ramp the learning rate linearly over the first STEPS steps (large models at a high "
+                        "lr otherwise spike early, and the runs then diverge for reasons unrelated to precision)")
     p.add_argument("--repeat-baseline", action="store_true",
                    help=f"train {BASELINE!r} twice and report the gap between the two runs: the run-to-run "
                         "noise floor of the criterion (GPU kernels with atomics are not bitwise reproducible)")
@@ -153,7 +156,8 @@ def cmd_converge(args) -> int:
     runs = {}
     for i, v in enumerate(variants, start=1):
         say(f"[{i}/{len(variants)}] {v.name}: backend={v.backend} options={v.options}")
-        runs[v.name] = train_variant(v, spec, batches, val_batches, steps=args.steps, lr=args.lr, seed=args.seed,
+        runs[v.name] = train_variant(v, spec, batches, val_batches, steps=args.steps, lr=args.lr,
+                                     lr_warmup=args.lr_warmup, seed=args.seed,
                                      device=device, val_n=args.val_batches, log_every=log_every)
 
     verdict = compare(runs, names, args.window, args.tolerance)
@@ -168,7 +172,8 @@ def cmd_converge(args) -> int:
         + ("" if noise is None else f" (the baseline against its own rerun: {noise * 100:.3f}%)"))
     result = provenance(SCHEMA, device, 1)
     result.update(config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                          "lr": args.lr, "seed": args.seed, "data": args.data or "stdlib", "device": str(device),
+                          "lr": args.lr, "lr_warmup": args.lr_warmup, "seed": args.seed,
+                          "data": args.data or "stdlib", "device": str(device),
                           "val_batches": args.val_batches},
                   baseline=BASELINE, variants=runs, **verdict)
     write_outputs(result, args.out, "converge", plot.loss_curves)

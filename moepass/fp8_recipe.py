@@ -29,18 +29,19 @@ class MinShape:
     tokens: int
 
 
-# Smallest shapes where FP8 rowwise (quantization included; forward, dgrad and wgrad together) beats BF16
-# on an H100/H200: examples/bench_fp8_gemms.py times each GEMM, writes the JSON and prints the
-# "suggested_min_shape" to paste here (then point THRESHOLDS_SOURCE at that JSON).
-# Until that run: a roofline estimate (quantizing reads 2 B and writes 1 B per element at ~3 TB/s, against
-# FP8 GEMMs ~1.6x faster than BF16), under which K or N below ~1024 loses to BF16.
-FP8_ROWWISE_MIN = {
-    "linear": MinShape(k=1024, n=1024, tokens=1024),
-    # each expert's weights are quantized twice per step, so its token count must amortize that
-    "grouped": MinShape(k=1024, n=1024, tokens=512),
+# Smallest shapes where FP8 rowwise (quantization included; forward, dgrad and wgrad together) beat BF16
+# on an H200, all under torch.compile: examples/bench_fp8_gemms.py times each GEMM, writes the JSON and
+# prints the "suggested_min_shape" pasted here. None: slower than BF16 at every shape measured.
+# Measured at M=16384 tokens only (the size sweep was not run), so fewer tokens stay in BF16.
+FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
+    # 4 of the 12 DeepSeek-V3 linears measured qualify; 16B attention.wo (K=N=2048) ran at 0.55x
+    "linear": MinShape(k=1536, n=3072, tokens=16384),
+    # 0.75-0.98x at 16B and 671B shapes: each expert's weights are quantized twice per step, and the
+    # wgrad's token-group quantization is a separate kernel
+    "grouped": None,
 }
-# Where FP8_ROWWISE_MIN comes from, quoted in every reason: once measured, the JSON's path.
-THRESHOLDS_SOURCE = "roofline estimate, not yet measured (examples/bench_fp8_gemms.py measures it)"
+# Where FP8_ROWWISE_MIN comes from, quoted in every reason.
+THRESHOLDS_SOURCE = "measured on H200, examples/results/fp8_gemms_h200.json"
 
 
 def example_tokens(m) -> tuple[int | None, str]:
@@ -84,6 +85,8 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if kind == "grouped" and cc[0] != 9:
         return "bf16", f"left in BF16: {arch} has no FP8 grouped GEMM (torch._scaled_grouped_mm rowwise needs sm_90)"
     need = FP8_ROWWISE_MIN[kind]
+    if need is None:
+        return "bf16", f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch} ({THRESHOLDS_SOURCE})"
     tokens, how = example_tokens(m)
     per = "tokens"
     if kind == "grouped":

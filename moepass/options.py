@@ -55,9 +55,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False)),
     Option("report_dir", None, "write the report (json, code, html) here after each compiled graph",
            check=lambda v: v is None or isinstance(v, str), expects="a directory path or None"),
-    # "auto" becomes the default once its Hopper thresholds are measured (fp8_rowwise has not run on a GPU yet)
-    Option("recipe", "mxfp8", "low-precision recipe of the mxfp8_* passes: mxfp8; fp8_rowwise (Hopper, "
-           "experimental); auto = mxfp8 on sm_100+ and CPU, fp8_rowwise on sm_89/90 for large GEMMs, else BF16",
+    # auto's Hopper thresholds are measured (fp8_recipe.FP8_ROWWISE_MIN): only large linears gain there
+    Option("recipe", "auto", "low-precision recipe of the mxfp8_* passes: auto = mxfp8 on sm_100+ and CPU "
+           "(emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; or force "
+           "mxfp8 / fp8_rowwise",
            choices=("auto", "mxfp8", "fp8_rowwise")),
     Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
            "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),

@@ -28,11 +28,18 @@ def synchronize(device: torch.device) -> None:
 
 def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device: torch.device,
           lr: float = 3e-4, on_step: Callable[[StepResult], None] | None = None,
-          optimizer: torch.optim.Optimizer | None = None) -> list[StepResult]:
-    """Run `steps` optimizer steps of `forward(tokens) -> logits`; time each step to the device's end."""
+          optimizer: torch.optim.Optimizer | None = None, lr_warmup: int = 0) -> list[StepResult]:
+    """Run `steps` optimizer steps of `forward(tokens) -> logits`; time each step to the device's end.
+
+    lr_warmup: the learning rate ramps linearly over the first lr_warmup steps, then stays at its value.
+    """
     opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    peak = [group["lr"] for group in opt.param_groups]
     results = []
     for i in range(steps):
+        if i <= lr_warmup:
+            for group, top in zip(opt.param_groups, peak):
+                group["lr"] = top * min(1.0, (i + 1) / lr_warmup) if lr_warmup else top
         inputs, targets = (t.to(device, non_blocking=True) for t in batches[i])
         synchronize(device)
         start = time.perf_counter()

@@ -130,3 +130,17 @@ def test_compare_pass_fail_and_failures():
     failed = converge.compare({"inductor": _run(base), "moepass": {"status": "failed", "error": "x"}},
                               ["moepass"], 2, 0.01)
     assert not failed["pass"] and failed["final_loss_gap_rel"] is None
+
+
+def test_lr_warmup_ramps_linearly_then_holds():
+    import torch
+
+    from moepass.train import train
+
+    model = torch.nn.Embedding(8, 8)  # tokens [B, S] -> logits [B, S, 8]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.4)
+    seen = []
+    batches = [(torch.randint(0, 8, (2, 4)), torch.randint(0, 8, (2, 4)))] * 6
+    train(model, model, batches, 6, torch.device("cpu"), optimizer=opt, lr_warmup=4,
+          on_step=lambda r: seen.append(opt.param_groups[0]["lr"]))
+    assert seen == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.4])

@@ -436,8 +436,12 @@ def test_sm90_large_gemms_get_fp8_rowwise_with_the_measured_thresholds(cuda_capa
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 3072)
     assert recipe == "fp8_rowwise" and "sm_90" in reason and "M=16384" in reason
     assert fp8_recipe.THRESHOLDS_SOURCE in reason
-    recipe, _ = fp8_recipe.choose_recipe("cuda", "grouped", 16384, 2048, 1408, experts=16)
-    assert recipe == "fp8_rowwise"
+
+
+def test_sm90_grouped_gemms_stay_bf16_where_fp8_measured_slower(cuda_capability):
+    cuda_capability(9, 0)
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 16384 * 16, 7168, 2048, experts=16)
+    assert recipe == "bf16" and "slower than BF16" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
 
 
 def test_sm90_small_gemms_stay_bf16_saying_why(cuda_capability):
@@ -448,17 +452,16 @@ def test_sm90_small_gemms_stay_bf16_saying_why(cuda_capability):
     assert f"N={need.n // 2} < {need.n}" in reason and f"M*K*N={16384 * 2048 * (need.n // 2):.3g}" in reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", need.tokens // 2, 4096, 4096)
     assert recipe == "bf16" and f"tokens={need.tokens // 2}" in reason
-    per_expert = fp8_recipe.FP8_ROWWISE_MIN["grouped"].tokens // 2
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 64, 2048, 1408, experts=64)
-    assert recipe == "bf16" and f"tokens per expert={per_expert}" in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, need.k // 2, 4096)
+    assert recipe == "bf16" and f"K={need.k // 2} < {need.k}" in reason
 
 
 def test_sm90_decides_on_k_and_n_when_m_is_unknown_and_says_so(cuda_capability):
     cuda_capability(9, 0)
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(None), 2048, 3072)
     assert recipe == "fp8_rowwise" and "unknown at compile time" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(8192), 2048, 3072)
-    assert recipe == "fp8_rowwise" and "example M=8192" in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(32768), 2048, 3072)
+    assert recipe == "fp8_rowwise" and "example M=32768" in reason
     recipe, _ = fp8_recipe.choose_recipe("cuda", "linear", _symint(64), 2048, 3072)
     assert recipe == "bf16"  # the example M decides when there is one
     recipe, _ = fp8_recipe.choose_recipe("cuda", "grouped", None, 2048, 512, experts=8)
