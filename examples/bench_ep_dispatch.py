@@ -10,10 +10,8 @@ only layout, exchange and permutation are timed), forward and backward:
             (token, expert) pair) -> expert-major permutation ... inverse permutation -> reverse
             all_to_all -> routing weights -> scatter back to tokens   (models/expert_parallel.py)
   deepep    what the deepep pass emits: moepass::ep_dispatch (one row per (token, destination rank))
-            -> ep_expert_major_pairs -> ep_pairs_gather ... ep_pairs_sum (weighted, per received row)
+            -> ep_expert_major_pairs -> index_select ... weighted fp32 index_add per received row
             -> moepass::ep_combine
-  deepep_index_add  the same exchange with the permutation the pass emitted before ep_pairs_*
-            (index_select, then an fp32 index_add per received row): the before/after of that change
   reference the deepep path's ops with the torch.distributed reference backend (what CPU runs)
 By default every path is compiled as a model would be (backend "moepass" with no passes: Inductor plus
 moepass's decompositions of its ops); --eager times the ops as they run without torch.compile.
@@ -98,21 +96,7 @@ def standard_round_trip(x, ids, weights, experts, group, marks=None):
 
 
 def deepep_round_trip(x, ids, weights, experts, group, backend, marks=None):
-    size, name = group_args(group)
-    recv_x, recv_ids, recv_w, _, handle = torch.ops.moepass.ep_dispatch(x, ids, weights, experts, size, name, backend)
-    _mark(marks, "ep_dispatch")
-    _, pair_slot = torch.ops.moepass.ep_expert_major_pairs(recv_ids, experts // size)
-    _mark(marks, "expert-major pairs (argsort, host sync)")
-    local = torch.ops.moepass.ep_pairs_gather(recv_x, pair_slot, ids.shape[1], None)  # identity experts
-    _mark(marks, "gather pair rows")
-    rows = torch.ops.moepass.ep_pairs_sum(local, pair_slot, recv_x.shape[0], ids.shape[1], recv_w, x.dtype, False)
-    _mark(marks, "weighted sum per received row")
-    out = torch.ops.moepass.ep_combine(rows, handle, size, name, backend)
-    _mark(marks, "ep_combine")
-    return out
-
-
-def deepep_index_add_round_trip(x, ids, weights, experts, group, backend, marks=None):
+    """What the deepep pass emits around the experts (passes/deepep.py), with identity experts."""
     size, name = group_args(group)
     recv_x, recv_ids, recv_w, _, handle = torch.ops.moepass.ep_dispatch(x, ids, weights, experts, size, name, backend)
     _mark(marks, "ep_dispatch")
@@ -122,7 +106,7 @@ def deepep_index_add_round_trip(x, ids, weights, experts, group, backend, marks=
     _mark(marks, "gather pair rows")
     weighted = local.float() * recv_w.reshape(-1)[pair_slot].unsqueeze(-1)
     per_row = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device).index_add(0, pair_row, weighted)
-    rows = per_row.to(x.dtype)
+    rows = per_row.to(x.dtype) if backend != "reference" else per_row  # DeepEP combines in the model dtype
     _mark(marks, "weighted sum per received row (fp32 index_add)")
     out = torch.ops.moepass.ep_combine(rows, handle, size, name, backend)
     _mark(marks, "ep_combine")
@@ -134,9 +118,8 @@ def round_trip(path: str):
     if path == "standard":
         return standard_round_trip, None
     backend = "reference" if path == "reference" else "deepep"
-    fn = deepep_index_add_round_trip if path == "deepep_index_add" else deepep_round_trip
-    return (lambda x, ids, weights, experts, group, marks=None: fn(x, ids, weights, experts, group, backend, marks),
-            backend)
+    return (lambda x, ids, weights, experts, group, marks=None:
+            deepep_round_trip(x, ids, weights, experts, group, backend, marks)), backend
 
 
 def compiled(fn):
@@ -205,7 +188,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="16B,671B")
     p.add_argument("--tokens", default="4096,8192,16384", help="tokens per rank")
-    p.add_argument("--paths", default="standard,deepep,deepep_index_add,reference")
+    p.add_argument("--paths", default="standard,deepep,reference")
     p.add_argument("--eager", action="store_true", help="time the ops without torch.compile")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -263,15 +246,14 @@ def main() -> None:
                           ", ".join(f"{stage} {ms:.2f} ms" for stage, ms in row[key].items()), flush=True)
     if rank == 0:
         print(f"\n{'shape':<6}{'tokens':>7}{'std fwd+bwd ms':>16}{'deepep fwd+bwd ms':>19}{'speedup':>9}"
-              f"{'std fwd ms':>12}{'deepep fwd ms':>15}{'speedup':>9}{'index_add fwd+bwd ms':>22}")
+              f"{'std fwd ms':>12}{'deepep fwd ms':>15}{'speedup':>9}")
         for r in rows:
             print(f"{r['shape']:<6}{r['tokens_per_rank']:>7}{r.get('standard_fwd_bwd_ms', 0):>16.2f}"
                   f"{r.get('deepep_fwd_bwd_ms', 0):>19.2f}{r.get('speedup_fwd_bwd', 0):>9.2f}"
-                  f"{r.get('standard_fwd_ms', 0):>12.2f}{r.get('deepep_fwd_ms', 0):>15.2f}{r.get('speedup_fwd', 0):>9.2f}"
-                  f"{r.get('deepep_index_add_fwd_bwd_ms', 0):>22.2f}")
+                  f"{r.get('standard_fwd_ms', 0):>12.2f}{r.get('deepep_fwd_ms', 0):>15.2f}{r.get('speedup_fwd', 0):>9.2f}")
         if args.out:
             commit = git_commit()["commit"]
-            result = {"schema": "moepass.bench_ep_dispatch/2", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            result = {"schema": "moepass.bench_ep_dispatch/3", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "gpus": world, "torch": torch.__version__, "host": platform.node(), "commit": commit,
                       "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
                       "ep_backend_choice": why, "compiled": not args.eager, "rows": rows}

@@ -46,8 +46,4 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     from .ops.fp8_rowwise_decomp import inductor_decompositions
 
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
-    from .ops.ep_pairs import EP_PAIRS_DECOMPOSITIONS
-
-    # ...and the EP permutation ops become gathers Inductor fuses (no atomics).
-    decompositions = {**inductor_decompositions(), **EP_PAIRS_DECOMPOSITIONS}
-    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions())

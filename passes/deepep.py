@@ -5,9 +5,9 @@ returned rows back to tokens. DeepEP sends a token once per destination rank and
 way back, without weights. The rewrite, per region:
 
     recv_x, recv_idx, recv_w, counts, handle = ep_dispatch(x, topk_ids, topk_weights)
-    _, pair_slot = ep_expert_major_pairs(recv_idx)                 # routed slots, expert-major
-    y = experts(ep_pairs_gather(recv_x, pair_slot [, w when the original weighted before the experts]), counts)
-    rows = ep_pairs_sum(y, pair_slot [, w when it weighted after the experts])   # per received row, fp32 sum
+    pair_row, pair_slot = ep_expert_major_pairs(recv_idx)        # (row, local expert), expert-major
+    y = experts(recv_x[pair_row] [* w, when the original weighted before the experts], counts)   # unchanged
+    rows = zeros.index_add(0, pair_row, y.float() [* w, when it weighted after the experts])
     result = ep_combine(rows, handle)                              # replaces the original [T, D] result
 
 Routing weights are applied where the original applied them. Products and the per-token sum stay in
@@ -165,10 +165,15 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
                           region.group_size, region.group_name, backend)
         recv_x, recv_idx, recv_w, recv_counts, handle = (emit(operator.getitem, dispatched, i) for i in range(5))
         pairs = emit(torch.ops.moepass.ep_expert_major_pairs.default, recv_idx, region.num_local_experts)
-        pair_slot = emit(operator.getitem, pairs, 1)
-        topk = tensor_meta(ids).shape[1]
-        pair_in = emit(torch.ops.moepass.ep_pairs_gather.default, recv_x, pair_slot, topk,
-                       recv_w if region.weights_applied == "before_experts" else None)
+        pair_row, pair_slot = emit(operator.getitem, pairs, 0), emit(operator.getitem, pairs, 1)
+        # x[idx] and a fp32 index_add: the code timed on 2xH200 (examples/results/ep_dispatch_2xH200.json, path
+        # deepep_index_add); Inductor fuses it well. Dedicated ops measured slower (see .notes/deepep_pass.md)
+        pair_in = emit(operator.getitem, recv_x, pair_row)
+        pair_w = emit("unsqueeze", emit(operator.getitem, emit("reshape", recv_w, -1, method=True), pair_slot),
+                      -1, method=True)
+        if region.weights_applied == "before_experts":
+            pair_in = emit("to", emit(operator.mul, emit("float", pair_in, method=True), pair_w), sent_meta.dtype,
+                           method=True)
         counts = recv_counts
         if tensor_meta(region.expert_counts).dtype != torch.int64:
             counts = emit("to", counts, tensor_meta(region.expert_counts).dtype, method=True)
@@ -182,11 +187,12 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
 
     out = region.tokens_out
     with graph.inserting_before(out):
-        # DeepEP's combine kernels take the model dtype; the reference sums fp32 rows as the original did
-        summed_dtype = torch.float32 if backend == "reference" else x_meta.dtype
-        summed = emit(torch.ops.moepass.ep_pairs_sum.default, region.expert_output, pair_slot,
-                      emit("size", recv_x, 0, method=True), topk,
-                      recv_w if region.weights_applied == "after_experts" else None, summed_dtype, False)
+        rows = emit("float", region.expert_output, method=True)
+        if region.weights_applied == "after_experts":
+            rows = emit(operator.mul, rows, pair_w)
+        summed = emit(torch.index_add, emit(torch.zeros_like, recv_x, dtype=torch.float32), 0, pair_row, rows)
+        if backend != "reference":  # DeepEP's combine kernels take the model dtype
+            summed = emit("to", summed, x_meta.dtype, method=True)
         combined = emit(torch.ops.moepass.ep_combine.default, summed, handle, region.group_size, region.group_name,
                         backend)
         combined_dtype = torch.float32 if backend == "reference" else x_meta.dtype
