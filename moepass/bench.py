@@ -193,6 +193,10 @@ class AllReduceGradsOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def param_groups(self) -> list[dict]:  # what an lr schedule adjusts
+        return self.inner.param_groups
+
 
 # ---------------------------------------------------------------- memory
 
