@@ -10,7 +10,7 @@ only layout, exchange and permutation are timed), forward and backward:
             (token, expert) pair) -> expert-major permutation ... inverse permutation -> reverse
             all_to_all -> routing weights -> scatter back to tokens   (models/expert_parallel.py)
   deepep    what the deepep pass emits: moepass::ep_dispatch (one row per (token, destination rank))
-            -> ep_expert_major_pairs -> index_select ... weighted fp32 index_add per received row
+            -> ep_expert_major_pairs -> recv_x[pair_row] ... weighted fp32 index_add per received row
             -> moepass::ep_combine
   reference the deepep path's ops with the torch.distributed reference backend (what CPU runs)
 By default every path is compiled as a model would be (backend "moepass" with no passes: Inductor plus
@@ -219,18 +219,18 @@ def main() -> None:
             logical = rows_to_ranks(ids, s["experts"], world) * s["hidden"] * 2 * 2 / world  # per rank
             row = {"shape": shape, **s, "tokens_per_rank": tokens, "ranks": world, "logical_bytes_per_rank": logical}
             for path in args.paths.split(","):
-                fn, needs = round_trip(path)
+                uncompiled, needs = round_trip(path)
                 if needs == "deepep" and backend != "deepep":
                     row["deepep_unavailable"] = why
                     continue
-                fn = fn if args.eager else compiled(fn)
+                fn = uncompiled if args.eager else compiled(uncompiled)
                 fwd = lambda marks=None, fn=fn: fn(x, ids, weights, s["experts"], group, marks)  # noqa: E731
                 fwd_ms = time_ms(lambda: fwd(), device, args.warmup, args.iters)
                 fb_ms = time_ms(lambda: fwd().backward(grad), device, args.warmup, args.iters)
                 row[f"{path}_fwd_ms"], row[f"{path}_fwd_bwd_ms"] = fwd_ms, fb_ms
                 row[f"{path}_fwd_GBps"] = logical / fwd_ms / 1e6
                 if args.breakdown:
-                    staged = lambda marks, fn=round_trip(path)[0]: fn(x, ids, weights, s["experts"], group, marks)  # noqa: E731
+                    staged = lambda marks, fn=uncompiled: fn(x, ids, weights, s["experts"], group, marks)  # noqa: E731
                     row[f"{path}_fwd_stage_ms"] = stage_breakdown(staged, x.device, args.warmup, args.iters)
                 if args.profile:
                     row[f"{path}_fwd_bwd_top_kernels"] = top_kernels(lambda: fwd().backward(grad), device)

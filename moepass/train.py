@@ -34,12 +34,12 @@ def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device
     lr_warmup: the learning rate ramps linearly over the first lr_warmup steps, then stays at its value.
     """
     opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    peak = [group["lr"] for group in opt.param_groups] if lr_warmup else []
+    peak = [group["lr"] for group in opt.param_groups]
     results = []
     for i in range(steps):
-        if i <= lr_warmup and peak:
+        if i < lr_warmup:  # step lr_warmup - 1 reaches the peak, which then stays
             for group, top in zip(opt.param_groups, peak):
-                group["lr"] = top * min(1.0, (i + 1) / lr_warmup)
+                group["lr"] = top * (i + 1) / lr_warmup
         inputs, targets = (t.to(device, non_blocking=True) for t in batches[i])
         synchronize(device)
         start = time.perf_counter()

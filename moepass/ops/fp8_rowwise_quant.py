@@ -53,15 +53,6 @@ def rows(t: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
     return _torchao_kernels().triton_fp8_rowwise_2d_scale_and_cast(t, E4M3, True)
 
 
-def cols(t: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
-    """[R, C] -> q [R, C] column-major, scale [1, C]: scaled down each column (a right operand)."""
-    if kernel == "emulated":
-        return quantize(t, 0)
-    # torchao's transpose kernel reduces the last dim of (1, C, R) and writes (1, R, C) column-major.
-    q, scale = _torchao_kernels().triton_fp8_rowwise_3d_transpose_rhs(t.t().unsqueeze(0), E4M3, True)
-    return q.squeeze(0), scale
-
-
 def experts_along_k(w_t: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
     """Expert weights [E, K, N] -> q [E, K, N] column-major, scale [E, 1, N]: the grouped forward's right operand."""
     if kernel == "emulated":
