@@ -67,10 +67,13 @@ def default_variant_names(ep: int) -> list[str]:
     return names[:1] + ["deepep"] + names[1:] if ep > 1 else names
 
 
-def resolve_variants(names: list[str], options: dict | None = None) -> list[Variant]:
+def resolve_variants(names: list[str], options: dict | None = None,
+                     custom: dict[str, dict] | None = None) -> list[Variant]:
     """Variant names -> Variants; `options` (user backend options) go to every moepass variant.
 
     "moepass" is another name for "all" (every pass), the name `moepass converge` reports under.
+    `custom`: {label: options} adds moepass variants after the named ones, each running every pass (or
+    its own "passes") with `options` updated by its own, to A/B options side by side in one run.
     """
     from .options import PIPELINE, Config
 
@@ -80,8 +83,10 @@ def resolve_variants(names: list[str], options: dict | None = None) -> list[Vari
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"moepass: unknown variant(s) {unknown}; valid variants: {known}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"moepass: variant listed twice in {names}")
+    clash = [label for label in custom or {} if label in known or label in names]
+    if len(set(names)) != len(names) or clash:
+        raise ValueError(f"moepass: variant listed twice in {names + list(custom or {})}"
+                         + (f" ({clash} {'is a' if len(clash) == 1 else 'are'} built-in name(s))" if clash else ""))
     out = []
     for n in names:
         if n == "eager":
@@ -91,7 +96,26 @@ def resolve_variants(names: list[str], options: dict | None = None) -> list[Vari
         else:
             passes = list(PIPELINE) if n in ("all", "moepass") else [n]
             out.append(Variant(n, "moepass", {**options, "passes": passes}))
+    for label, own in (custom or {}).items():
+        merged = {"passes": list(PIPELINE), **options, **own}
+        Config.from_options(merged)
+        out.append(Variant(label, "moepass", merged))
     return out
+
+
+def parse_custom_variant(spec: str) -> tuple[str, dict]:
+    """--variant LABEL=JSON -> (LABEL, options)."""
+    label, sep, text = spec.partition("=")
+    try:
+        own = json.loads(text) if sep else None
+    except json.JSONDecodeError as e:
+        own, why = None, f": {e}"
+    else:
+        why = ""
+    if not label.strip() or not isinstance(own, dict):
+        raise ValueError(f"moepass: --variant {spec!r} must be LABEL=JSON-object, e.g. "
+                         f"'wgrad_bf16={{\"fp8_rowwise.wgrad_bf16\": true}}'{why}")
+    return label.strip(), own
 
 
 # ---------------------------------------------------------------- model and ranks
@@ -549,6 +573,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=None,
                    help=f"comma list from {variant_names()} (default: inductor,[deepep with --ep>1,]"
                         "mxfp8_grouped_mm,mxfp8_linear,all)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                   help="an extra moepass variant: every pass with --options updated by JSON (repeatable), "
+                        "e.g. 'wgrad_bf16={\"fp8_rowwise.wgrad_bf16\": true}'")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun: 1 or WORLD_SIZE)")
     p.add_argument("--profile", action="store_true", help="profile 2 extra steps per variant; top kernels to JSON")
     p.add_argument("--out", default=".", help="directory for bench.json and bench.png")
@@ -562,7 +589,10 @@ def cmd_bench(args) -> int:
     if not 0 < args.warmup < args.steps:
         raise SystemExit(f"moepass bench: need 0 < --warmup ({args.warmup}) < --steps ({args.steps})")
     names = args.variants.split(",") if args.variants else default_variant_names(args.ep)
-    variants = resolve_variants([n.strip() for n in names], json.loads(args.options) if args.options else None)
+    custom = dict(parse_custom_variant(spec) for spec in args.variant)
+    if len(custom) != len(args.variant):
+        raise SystemExit(f"moepass bench: a --variant label is given twice in {args.variant}")
+    variants = resolve_variants([n.strip() for n in names], json.loads(args.options) if args.options else None, custom)
     ranks = Ranks.from_env(args.device)
     if args.ep not in (1, ranks.world):
         raise SystemExit(f"moepass bench: --ep {args.ep} must be 1 or the number of ranks ({ranks.world})")

@@ -150,6 +150,31 @@ def test_unknown_variant_or_bad_options_fail_before_any_work():
         bench.resolve_variants(["all"], {"mxfp8.kernel": "fast"})
 
 
+def test_custom_variants_layer_their_options_over_the_shared_ones():
+    custom = dict(bench.parse_custom_variant(s) for s in
+                  ['wgrad_bf16={"mxfp8.wgrad_bf16": true}', 'linear_only={"passes": ["mxfp8_linear"]}'])
+    vs = {v.name: v for v in bench.resolve_variants(["inductor", "all"], {"mxfp8.scale_rounding": "floor"}, custom)}
+    assert list(vs) == ["inductor", "all", "wgrad_bf16", "linear_only"]
+    assert vs["wgrad_bf16"].options == {"passes": list(PIPELINE), "mxfp8.scale_rounding": "floor",
+                                        "mxfp8.wgrad_bf16": True}
+    assert vs["linear_only"].options["passes"] == ["mxfp8_linear"]
+    assert "mxfp8.wgrad_bf16" not in vs["all"].options
+
+
+@pytest.mark.parametrize("spec, match", [("noequals", "LABEL=JSON"), ("x=[1]", "LABEL=JSON"), ("=", "LABEL=JSON"),
+                                         ("x={bad", "Expecting")])
+def test_custom_variant_spec_errors_say_the_form(spec, match):
+    with pytest.raises(ValueError, match=match):
+        bench.parse_custom_variant(spec)
+
+
+def test_custom_variant_cannot_shadow_a_name_or_carry_bad_options():
+    with pytest.raises(ValueError, match="built-in"):
+        bench.resolve_variants(["inductor"], None, {"all": {}})
+    with pytest.raises(ValueError, match="mxfp8.kernel"):
+        bench.resolve_variants(["inductor"], None, {"fast": {"mxfp8.kernel": "fast"}})
+
+
 def test_timing_stats_arithmetic():
     s = bench.timing_stats([5.0, 0.2, 0.1, 0.4], warmup=1, tokens_per_step=100, world=2)
     assert s["step_ms_median"] == pytest.approx(200.0)
