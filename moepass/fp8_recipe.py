@@ -29,19 +29,27 @@ class MinShape:
     tokens: int
 
 
-# Smallest shapes where FP8 rowwise (quantization included; forward, dgrad and wgrad together) beat BF16
-# on an H200, all under torch.compile: examples/bench_fp8_gemms.py times each GEMM, writes the JSON and
-# prints the "suggested_min_shape" pasted here. None: slower than BF16 at every shape measured.
-# Measured at M=16384 tokens only (the size sweep was not run), so fewer tokens stay in BF16.
+# Smallest shapes where FP8 rowwise (quantization included) beat BF16 on an H200 under torch.compile.
+# None: slower than BF16 at every shape measured.
 FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
-    # 4 of the 12 DeepSeek-V3 linears measured qualify; 16B attention.wo (K=N=2048) ran at 0.55x
+    # Per GEMM, forward, dgrad and wgrad together (examples/bench_fp8_gemms.py prints the suggestion pasted
+    # here), at M=16384 only: 4 of the 12 DeepSeek-V3 linears qualify; 16B attention.wo (K=N=2048) ran 0.55x.
     "linear": MinShape(k=1536, n=3072, tokens=16384),
-    # 0.75-0.98x at 16B and 671B shapes: each expert's weights are quantized twice per step, and the
-    # wgrad's token-group quantization is a separate kernel
-    "grouped": None,
+    # Forward and dgrad (the wgrad stays BF16 under fp8_rowwise.wgrad_bf16="auto": WGRAD_BF16_AUTO), judged
+    # on the whole 16B training step at 3072 tokens per expert, the only load measured: alone, each grouped
+    # GEMM with its quantization ran 0.78-0.99x, but in the model Inductor fuses x's quantization into its
+    # producer and the FP8 GEMMs' saving is larger than the kernels that remain.
+    "grouped": MinShape(k=1024, n=1024, tokens=3072),
 }
-# Where FP8_ROWWISE_MIN comes from, quoted in every reason.
-THRESHOLDS_SOURCE = "measured on H200, examples/results/fp8_gemms_h200.json"
+# Where FP8_ROWWISE_MIN and WGRAD_BF16_AUTO come from, quoted in every reason.
+THRESHOLDS_SOURCE = ("measured on H200: examples/results/fp8_gemms_h200.json (per GEMM), "
+                     "examples/results/step_16B_fp8_h200/ (training step)")
+
+# fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds. A grouped wgrad in FP8
+# needs both operands quantized per (token group, column), a pass of their own over the routed tokens
+# (fp8_rowwise_triton) that cost more than the FP8 GEMM saved in the 16B step: 2 x 1.4 ms of quantization
+# per wgrad under the skewed routing of early training, against ~0.8 ms saved by its FP8 GEMM.
+WGRAD_BF16_AUTO = {"linear": False, "grouped": True}
 
 
 def example_tokens(m) -> tuple[int | None, str]:
@@ -116,6 +124,16 @@ def recipe_shape_problem(recipe: str, k, n) -> str | None:
     """None when `recipe`'s kernels take K and N (MXFP8: multiples of 32, FP8 rowwise: of 16), else what to fix."""
     problem = shape_problem(k, n) if recipe == "mxfp8" else shape_problem(k, n, multiple=ALIGN)
     return f"{recipe}: {problem}" if problem else None
+
+
+def fp8_rowwise_wgrad_bf16(requested, kind: str) -> tuple[bool, str]:
+    """The `fp8_rowwise.wgrad_bf16` option for one GEMM: (wgrad in BF16?, why)."""
+    if requested != "auto":
+        return bool(requested), f"wgrad {'BF16' if requested else 'FP8'}: fp8_rowwise.wgrad_bf16={requested} requested"
+    if WGRAD_BF16_AUTO[kind]:
+        return True, ("wgrad BF16: its per-token-group quantization cost more than the FP8 GEMM saved "
+                      f"({THRESHOLDS_SOURCE})")
+    return False, "wgrad FP8"
 
 
 def fp8_rowwise_kernel(requested: str, device: torch.device | str, grouped: bool) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from .fp8_recipe import fp8_rowwise_kernel, recipe_shape_problem, resolve_recipe
+from .fp8_recipe import fp8_rowwise_kernel, fp8_rowwise_wgrad_bf16, recipe_shape_problem, resolve_recipe
 from .mxfp8_rules import choose_kernel
 
 
@@ -42,6 +42,7 @@ def plan_gemm(config, kind: str, device: torch.device, m, k: int, n: int, expert
         args = (config["mxfp8.scale_rounding"], config["mxfp8.wgrad_bf16"], kernel)
     else:
         kernel, kernel_why = fp8_rowwise_kernel(config["fp8_rowwise.kernel"], device, grouped=kind == "grouped")
-        args = (config["fp8_rowwise.wgrad_bf16"], kernel)
+        wgrad_bf16, wgrad_why = fp8_rowwise_wgrad_bf16(config["fp8_rowwise.wgrad_bf16"], kind)
+        why, args = f"{why}; {wgrad_why}", (wgrad_bf16, kernel)
     op_name = f"{recipe}_{'linear' if kind == 'linear' else 'grouped_mm'}"
     return GemmPlan(recipe, why, kernel, kernel_why, op_name, args)

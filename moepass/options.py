@@ -62,8 +62,9 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", "mxfp8", "fp8_rowwise")),
     Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
            "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),
-    Option("fp8_rowwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe",
-           choices=(True, False)),
+    Option("fp8_rowwise.wgrad_bf16", "auto", "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe; "
+           "auto = per GEMM kind as measured on Hopper (grouped expert GEMMs BF16, linears FP8)",
+           choices=("auto", True, False)),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),
     Option("mxfp8.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 (dgrad and forward stay MXFP8)",

@@ -218,6 +218,27 @@ def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16_on_the_real_ke
     assert abs(final["fp8_rowwise"] - final["bf16"]) / final["bf16"] <= 0.03, final
 
 
+@needs_sm90
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "mxfp8"])
+def test_compiled_model_with_bf16_expert_wgrad_trains_on_unaligned_token_groups(recipe):
+    """The grouped BF16 wgrad written inline in the backward hit torch._grouped_mm's alignment assert once
+    Inductor chose its layouts (16B model, 2xH200); the opaque moepass::grouped_mm_wgrad_bf16 fixes them."""
+    from moepass.data import Batches, load_corpus
+    from moepass.models import build_model
+    from moepass.train import train
+
+    torch.manual_seed(0)
+    model = build_model("debug").cuda()
+    train_tokens, _ = load_corpus(limit_bytes=1 << 20)
+    batches = Batches(train_tokens, batch_size=4, seq_len=127, seed=0)  # 508 tokens: groups of any size
+    torch._dynamo.reset()
+    options = {"recipe": recipe, f"{'mxfp8' if recipe == 'mxfp8' else 'fp8_rowwise'}.wgrad_bf16": True}
+    results = train(model, torch.compile(model, backend="moepass", options=options), batches, 3,
+                    torch.device("cuda"), lr=1e-3)
+    torch.cuda.synchronize()
+    assert all(math.isfinite(r.loss) for r in results), [r.loss for r in results]
+
+
 # ---- the decomposed ops under Inductor (what the moepass backend compiles) -----------------------------
 
 def _compiled_with_decompositions(fn, sink):

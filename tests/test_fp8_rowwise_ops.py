@@ -306,7 +306,7 @@ def test_aot_backward_graph_holds_the_quantized_backward_ops(wgrad_bf16):
     assert {ops.fp8_rowwise_linear_dgrad.default, ops.fp8_rowwise_grouped_mm_dgrad.default} <= bw
     wgrads = {ops.fp8_rowwise_linear_wgrad.default, ops.fp8_rowwise_grouped_mm_wgrad.default}
     if wgrad_bf16:
-        assert not wgrads & bw and {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default} <= bw
+        assert not wgrads & bw and {torch.ops.aten.mm.default, ops.grouped_mm_wgrad_bf16.default} <= bw
     else:
         assert wgrads <= bw
 
@@ -438,10 +438,24 @@ def test_sm90_large_gemms_get_fp8_rowwise_with_the_measured_thresholds(cuda_capa
     assert fp8_recipe.THRESHOLDS_SOURCE in reason
 
 
-def test_sm90_grouped_gemms_stay_bf16_where_fp8_measured_slower(cuda_capability):
+def test_sm90_grouped_gemms_take_fp8_only_at_the_measured_load(cuda_capability, monkeypatch):
     cuda_capability(9, 0)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 16384 * 16, 7168, 2048, experts=16)
+    need = fp8_recipe.FP8_ROWWISE_MIN["grouped"]
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", need.tokens * 16, 2048, 1408, experts=16)
+    assert recipe == "fp8_rowwise" and fp8_recipe.THRESHOLDS_SOURCE in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", need.tokens * 8, 2048, 1408, experts=16)
+    assert recipe == "bf16" and f"tokens per expert={need.tokens // 2} < {need.tokens}" in reason
+    monkeypatch.setitem(fp8_recipe.FP8_ROWWISE_MIN, "grouped", None)  # a GPU where FP8 never won
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", need.tokens * 16, 2048, 1408, experts=16)
     assert recipe == "bf16" and "slower than BF16" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
+
+
+def test_wgrad_bf16_auto_keeps_grouped_wgrads_bf16_and_linear_wgrads_fp8():
+    assert fp8_recipe.fp8_rowwise_wgrad_bf16("auto", "grouped")[0] is True
+    assert fp8_recipe.fp8_rowwise_wgrad_bf16("auto", "linear") == (False, "wgrad FP8")
+    for kind in ("linear", "grouped"):
+        assert fp8_recipe.fp8_rowwise_wgrad_bf16(False, kind) == (False, "wgrad FP8: fp8_rowwise.wgrad_bf16=False requested")
+        assert fp8_recipe.fp8_rowwise_wgrad_bf16(True, kind)[0] is True
 
 
 def test_sm90_small_gemms_stay_bf16_saying_why(cuda_capability):
@@ -539,7 +553,9 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
     model = build_model("debug")
     tokens = torch.randint(0, 2048, (2, 64))
     with moepass.collecting() as report:
-        compiled = torch.compile(model, backend="moepass", options={"recipe": "fp8_rowwise", "inductor": False})
+        # every GEMM quantized, the grouped wgrad too (its "auto" default keeps it BF16)
+        compiled = torch.compile(model, backend="moepass", options={"recipe": "fp8_rowwise", "inductor": False,
+                                                                    "fp8_rowwise.wgrad_bf16": False})
         loss = next_token_loss(compiled(tokens), tokens)
     with OpsCalled() as backward_ops:
         loss.backward()

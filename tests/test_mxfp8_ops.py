@@ -315,7 +315,7 @@ def test_aot_backward_graph_holds_the_quantized_backward_ops(wgrad_bf16):
     assert {ops.mxfp8_linear_dgrad.default, ops.mxfp8_grouped_mm_dgrad.default} <= bw
     wgrads = {ops.mxfp8_linear_wgrad.default, ops.mxfp8_grouped_mm_wgrad.default}
     if wgrad_bf16:
-        assert not wgrads & bw and {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default} <= bw
+        assert not wgrads & bw and {torch.ops.aten.mm.default, ops.grouped_mm_wgrad_bf16.default} <= bw
     else:
         assert wgrads <= bw
 

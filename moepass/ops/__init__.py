@@ -1,8 +1,8 @@
 """moepass custom ops: `import moepass.ops` registers every torch.ops.moepass.* op.
 
 MXFP8 GEMMs (mxfp8_linear, mxfp8_grouped_mm and their dgrad/wgrad ops), Hopper FP8-rowwise GEMMs
-(fp8_rowwise_linear, fp8_rowwise_grouped_mm and theirs) and expert-parallel
-dispatch/combine (ep_*). torchao is imported lazily inside the MXFP8 op bodies, so this stays cheap.
+(fp8_rowwise_linear, fp8_rowwise_grouped_mm and theirs), the BF16 grouped wgrad of both recipes'
+`wgrad_bf16` option (grouped_mm_wgrad_bf16) and expert-parallel dispatch/combine (ep_*). torchao is imported lazily inside the MXFP8 op bodies, so this stays cheap.
 """
 
 from . import (  # noqa: F401  (each registers its ops)
@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (each registers its ops)
     ep_permute,
     fp8_rowwise_grouped_mm,
     fp8_rowwise_linear,
+    grouped_wgrad_bf16,
     mxfp8_grouped_mm,
     mxfp8_linear,
 )

@@ -16,6 +16,7 @@ from torch import Tensor
 from . import fp8_rowwise_quant as quant
 from .fp8_rowwise_args import check_aligned, check_kernel
 from .gemm_args import check_bf16, check_offs
+from .grouped_wgrad_bf16 import as_transposed_layout
 
 FAST_ACCUM = True  # torchao's _Float8GroupedMM runs all three grouped GEMMs with fast accumulation
 
@@ -34,10 +35,6 @@ def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor
                          f"along {'K' if dim == 1 else 'N'}")
     check_aligned(op, K=w_t.shape[1], N=w_t.shape[2])
 
-
-def _as_transposed_layout(t: Tensor) -> Tensor:
-    """[E, K, N] stored as [E, N, K] transposed: the layout of w_t = w.transpose(-2, -1), so w's grad needs no copy."""
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tensor:
@@ -116,7 +113,7 @@ def _check_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> None
 def fp8_rowwise_grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     _check_wgrad(grad_out, x, offs, kernel)
     if x.shape[0] == 0:
-        return _as_transposed_layout(x.new_zeros(offs.shape[0], x.shape[1], grad_out.shape[1]))
+        return as_transposed_layout(x.new_zeros(offs.shape[0], x.shape[1], grad_out.shape[1]))
     if kernel == "emulated":
         g_q, g_scale = quant.token_group_cols(grad_out, offs)  # [M, N], [E, N]
         x_q, x_scale = quant.token_group_cols(x, offs)  # [M, K], [E, K]
@@ -134,7 +131,7 @@ def fp8_rowwise_grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kern
 @fp8_rowwise_grouped_mm_wgrad.register_fake
 def _(grad_out, x, offs, kernel):
     _check_wgrad(grad_out, x, offs, kernel)
-    return _as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
+    return as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
 
 
 # ---- autograd ----------------------------------------------------------------------------------------
@@ -152,8 +149,7 @@ def _backward(ctx, grad_out):
         grad_x = torch.ops.moepass.fp8_rowwise_grouped_mm_dgrad(grad_out, w_t, offs, ctx.kernel)
     if ctx.needs_input_grad[1]:
         if ctx.wgrad_bf16:
-            # Plain BF16 grouped GEMM reducing over each group's tokens; tokens past offs[-1] are not read.
-            grad_w_t = torch._grouped_mm(grad_out.contiguous().t(), x, offs=offs).transpose(-2, -1)
+            grad_w_t = torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs)
         else:
             grad_w_t = torch.ops.moepass.fp8_rowwise_grouped_mm_wgrad(grad_out, x, offs, ctx.kernel)
     return grad_x, grad_w_t, None, None, None

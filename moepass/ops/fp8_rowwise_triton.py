@@ -19,7 +19,9 @@ from torch import Tensor
 from .fp8_rowwise_quant import AMAX_EPS, E4M3, E4M3_MAX
 
 ALIGN = 16
-BLOCK_M, BLOCK_D = 64, 64
+# 128 rows per step: 2-31% faster than 64 on an H200, most under skewed routing (a few large groups, each
+# walked by few programs); examples/results/token_group_quant_h200.json
+BLOCK_M, BLOCK_D = 128, 64
 
 try:
     import triton

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .gemm_args import check_bf16, check_offs
+from .grouped_wgrad_bf16 import as_transposed_layout
 from .mxfp8_args import BLOCK_SIZE, check_block_multiple, check_strings, scale_mode
 from .mxfp8_kernels import kernel_preference
 from .mxfp8_token_groups import pad_token_groups, plan_token_group_padding, unpad_token_groups
@@ -31,10 +32,6 @@ def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor
     check_block_multiple(op, K=w_t.shape[1], N=w_t.shape[2])
 
 
-def _as_transposed_layout(t: Tensor) -> Tensor:
-    """[E, K, N] stored as [E, N, K] transposed (torchao's expected w_t layout; w's grad then needs no copy)."""
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
-
 
 # ---- forward ---------------------------------------------------------------------------------------
 
@@ -45,7 +42,7 @@ def mxfp8_grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, 
     from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_fwd
 
     plan = plan_token_group_padding(offs, x.shape[0])
-    out = _compute_fwd(pad_token_groups(x, plan), _as_transposed_layout(w_t), plan.padded_offs, BLOCK_SIZE,
+    out = _compute_fwd(pad_token_groups(x, plan), as_transposed_layout(w_t), plan.padded_offs, BLOCK_SIZE,
                        torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
     return unpad_token_groups(out, plan)
 
@@ -64,7 +61,7 @@ def mxfp8_grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, scale_ro
     from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_dgrad
 
     plan = plan_token_group_padding(offs, grad_out.shape[0])
-    grad_x = _compute_dgrad(pad_token_groups(grad_out, plan), _as_transposed_layout(w_t), plan.padded_offs,
+    grad_x = _compute_dgrad(pad_token_groups(grad_out, plan), as_transposed_layout(w_t), plan.padded_offs,
                             BLOCK_SIZE, torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
     return unpad_token_groups(grad_x, plan)
 
@@ -95,13 +92,13 @@ def mxfp8_grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, scale_roun
     plan = plan_token_group_padding(offs, x.shape[0])
     grad_w_t = _compute_wgrad(pad_token_groups(grad_out, plan), pad_token_groups(x, plan), plan.padded_offs,
                               BLOCK_SIZE, torch.bfloat16, scale_mode(scale_rounding), False, kernel_preference(kernel))
-    return _as_transposed_layout(grad_w_t)
+    return as_transposed_layout(grad_w_t)
 
 
 @mxfp8_grouped_mm_wgrad.register_fake
 def _(grad_out, x, offs, scale_rounding, kernel):
     _check_wgrad(grad_out, x, offs, scale_rounding, kernel)
-    return _as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
+    return as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
 
 
 # ---- autograd ----------------------------------------------------------------------------------------
@@ -119,8 +116,7 @@ def _backward(ctx, grad_out):
         grad_x = torch.ops.moepass.mxfp8_grouped_mm_dgrad(grad_out, w_t, offs, ctx.scale_rounding, ctx.kernel)
     if ctx.needs_input_grad[1]:
         if ctx.wgrad_bf16:
-            # Plain BF16 grouped GEMM reducing over each group's tokens; tokens past offs[-1] are not read.
-            grad_w_t = torch._grouped_mm(grad_out.contiguous().t(), x, offs=offs).transpose(-2, -1)
+            grad_w_t = torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs)
         else:
             grad_w_t = torch.ops.moepass.mxfp8_grouped_mm_wgrad(grad_out, x, offs, ctx.scale_rounding, ctx.kernel)
     return grad_x, grad_w_t, None, None, None, None
