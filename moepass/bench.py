@@ -276,7 +276,7 @@ class PeakMemory:
 # ---------------------------------------------------------------- profiling
 
 
-def profile_table(prof, device: torch.device, top: int = 10) -> list[dict]:
+def profile_table(prof, device: torch.device, top: int = 25) -> list[dict]:
     """Top kernels by self time on the device (ops by self CPU time on CPU)."""
     from torch.autograd import DeviceType
 

@@ -49,9 +49,12 @@ def test_cuda_device_reports_its_kernel_choice():
 def test_recipe_auto_on_hopper_follows_the_measured_thresholds():
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 10944)
     assert recipe == "fp8_rowwise", reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 65536, 2048, 1408, experts=64)
-    want = "bf16" if fp8_recipe.FP8_ROWWISE_MIN["grouped"] is None else "fp8_rowwise"
-    assert recipe == want and fp8_recipe.THRESHOLDS_SOURCE in reason, reason
+    need = fp8_recipe.FP8_ROWWISE_MIN["grouped"]
+    tokens = 64 * (need.tokens if need else 3072)  # 16B: 64 experts; at the measured load when one exists
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", tokens, 2048, 1408, experts=64)
+    assert recipe == ("bf16" if need is None else "fp8_rowwise") and fp8_recipe.THRESHOLDS_SOURCE in reason, reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", tokens // 4, 2048, 1408, experts=64)
+    assert recipe == "bf16", reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 64)
     assert recipe == "bf16" and "too small" in reason
 
