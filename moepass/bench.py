@@ -577,7 +577,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an extra moepass variant: every pass with --options updated by JSON (repeatable), "
                         "e.g. 'wgrad_bf16={\"fp8_rowwise.wgrad_bf16\": true}'")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun: 1 or WORLD_SIZE)")
-    p.add_argument("--profile", action="store_true", help="profile 2 extra steps per variant; top kernels to JSON")
+    p.add_argument("--profile", action="store_true", help="profile 2 extra steps per variant; the top 25 kernels to JSON")
     p.add_argument("--out", default=".", help="directory for bench.json and bench.png")
 
 

@@ -109,7 +109,7 @@ def test_profile_lists_top_kernels(bench_run):
     result, _, _ = bench_run
     for v in result["variants"]:
         rows = v["profile"]
-        assert 0 < len(rows) <= 10
+        assert 0 < len(rows) <= 25  # profile_table's top
         assert all(r["name"] and r["calls"] > 0 and r["self_us"] > 0 for r in rows)
         assert [r["self_us"] for r in rows] == sorted((r["self_us"] for r in rows), reverse=True)
 

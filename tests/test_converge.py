@@ -21,7 +21,8 @@ def converge_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("converge")
     argv = [sys.executable, "-m", "moepass.cli", "converge", "--model-overrides", json.dumps(TINY),
             "--batch", "2", "--seq", "32", "--steps", str(STEPS), "--window", str(WINDOW),
-            "--val-batches", "2", "--tolerance", str(TOLERANCE), "--device", "cpu", "--repeat-baseline", "--out", str(out)]
+            "--val-batches", "2", "--tolerance", str(TOLERANCE), "--device", "cpu", "--repeat-baseline", "--nudged-baseline",
+            "--out", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "converge.json") as f:
@@ -31,7 +32,7 @@ def converge_run(tmp_path_factory):
 def test_json_schema(converge_run):
     result, _, _ = converge_run
     assert result["schema"] == "moepass.converge/1"
-    assert set(result["variants"]) == {"inductor", "moepass", "inductor-rerun"}
+    assert set(result["variants"]) == {"inductor", "moepass", "inductor-rerun", "inductor-nudged"}
     assert result["baseline"] == "inductor" and result["window"] == WINDOW and result["tolerance"] == TOLERANCE
     assert result["config"]["data"] == "stdlib" and result["config"]["steps"] == STEPS
     for key in ("hardware", "versions", "commit", "command"):
@@ -72,6 +73,36 @@ def test_repeated_baseline_measures_the_noise_floor(converge_run):
     assert rerun["loss"] == base["loss"] and result["noise_floor_gap_rel"] == 0.0
     assert "against its own rerun: 0.000%" in proc.stdout
     assert "pass" not in rerun  # the rerun never decides the verdict
+
+
+def test_nudged_baseline_measures_how_far_an_insignificant_change_drifts(converge_run):
+    result, proc, _ = converge_run
+    base, nudged = result["variants"]["inductor"], result["variants"]["inductor-nudged"]
+    assert nudged["loss"] != base["loss"]  # the weights moved, so the curve does
+    assert nudged["loss"][0] == pytest.approx(base["loss"][0], rel=0.01)  # but by a rounding's worth
+    gaps = converge.loss_gaps(base["loss"], nudged["loss"], WINDOW)
+    assert result["nudged_floor_gap_rel"] == pytest.approx(gaps["final_loss_gap_rel"]) > 0
+    assert f"itself from weights nudged by an ulp: {gaps['final_loss_gap_rel'] * 100:.3f}%" in proc.stdout
+    assert "pass" not in nudged  # a floor never decides the verdict
+
+
+def test_nudge_moves_every_float_weight_by_one_or_two_bf16_ulps_reproducibly():
+    import torch
+
+    def nudged(seed):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Embedding(10, 8)).to(torch.bfloat16)
+        before = [p.detach().clone() for p in m.parameters()]
+        converge.nudge_weights(m, seed)
+        return before, [p.detach().clone() for p in m.parameters()]
+
+    before, after = nudged(1)
+    for b, a in zip(before, after):
+        nonzero = b != 0
+        rel = ((a.float() - b.float()) / b.float())[nonzero].abs()
+        assert (a[nonzero] != b[nonzero]).all() and rel.max() <= 2 * 2.0**-7 and rel.min() >= 2.0**-9
+    assert all(torch.equal(x, y) for x, y in zip(after, nudged(1)[1]))
+    assert not all(torch.equal(x, y) for x, y in zip(after, nudged(2)[1]))
 
 
 def test_verdict_matches_tolerance_and_exit_code(converge_run):
