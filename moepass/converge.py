@@ -24,6 +24,7 @@ from .bench import (BASELINE, ModelSpec, Variant, add_model_arguments, error_sum
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
 NUDGED = f"{BASELINE}-nudged"  # --nudged-baseline: the baseline from weights moved by an ulp or two
 NUDGE = 2.0**-7  # relative: at least one bf16 ulp (bf16's spacing is 2^-8 to 2^-7 of the value)
+SCHEMA = "moepass.converge/1"
 
 
 def nudge_weights(model: torch.nn.Module, seed: int) -> None:
@@ -38,7 +39,6 @@ def nudge_weights(model: torch.nn.Module, seed: int) -> None:
             if p.is_floating_point():
                 sign = torch.randint(0, 2, p.shape, generator=gen).to(p.device, torch.float32) * 2 - 1
                 p.copy_((p.float() * (1 + NUDGE * sign)).to(p.dtype))
-SCHEMA = "moepass.converge/1"
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

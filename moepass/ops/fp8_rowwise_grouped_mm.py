@@ -36,7 +36,6 @@ def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor
     check_aligned(op, K=w_t.shape[1], N=w_t.shape[2])
 
 
-
 def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tensor:
     if kernel == "emulated":
         rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)

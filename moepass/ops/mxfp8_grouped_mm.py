@@ -32,7 +32,6 @@ def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor
     check_block_multiple(op, K=w_t.shape[1], N=w_t.shape[2])
 
 
-
 # ---- forward ---------------------------------------------------------------------------------------
 
 @torch.library.custom_op("moepass::mxfp8_grouped_mm", mutates_args=())
