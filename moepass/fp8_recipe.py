@@ -101,6 +101,9 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if kind == "grouped":
         per = "tokens per expert"
         tokens = None if tokens is None or not experts else tokens // experts
+        if tokens is None:  # e.g. after an expert-parallel dispatch: the op cannot be decomposed (may be empty)
+            return "bf16", (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
+                            f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
     small = [f"{name}={value} < {least}" for name, value, least in
              (("K", k, need.k), ("N", n, need.n), (per, tokens, need.tokens)) if value is not None and value < least]
     if small:

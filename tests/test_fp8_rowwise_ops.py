@@ -450,6 +450,20 @@ def test_sm90_grouped_gemms_take_fp8_only_at_the_measured_load(cuda_capability, 
     assert recipe == "bf16" and "slower than BF16" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
 
 
+def test_sm90_grouped_gemms_with_unknown_tokens_stay_bf16(cuda_capability):
+    cuda_capability(9, 0)
+    for m in (None, _Unbacked()):
+        recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", m, 2048, 1408, experts=16)
+        assert recipe == "bf16" and "tokens per expert unknown at compile time" in reason, reason
+
+
+class _Unbacked:
+    """A SymInt stand-in with no hint, as a data-dependent token count after an EP dispatch has."""
+
+    class node:
+        hint = None
+
+
 def test_wgrad_bf16_auto_keeps_grouped_wgrads_bf16_and_linear_wgrads_fp8():
     assert fp8_recipe.fp8_rowwise_wgrad_bf16("auto", "grouped")[0] is True
     assert fp8_recipe.fp8_rowwise_wgrad_bf16("auto", "linear") == (False, "wgrad FP8")
