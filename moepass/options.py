@@ -55,7 +55,8 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False)),
     Option("report_dir", None, "write the report (json, code, html) here after each compiled graph",
            check=lambda v: v is None or isinstance(v, str), expects="a directory path or None"),
-    # auto's Hopper thresholds are measured (fp8_recipe.FP8_ROWWISE_MIN): only large linears gain there
+    # auto's Hopper thresholds are measured (fp8_recipe.FP8_ROWWISE_MIN): large linears, and expert GEMMs at
+    # thousands of tokens per expert (forward and dgrad; their wgrad stays BF16)
     Option("recipe", "auto", "low-precision recipe of the mxfp8_* passes: auto = mxfp8 on sm_100+ and CPU "
            "(emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; or force "
            "mxfp8 / fp8_rowwise",

@@ -20,7 +20,7 @@ from moepass.mxfp8_rules import dtype_problem, module_filter_problem
 
 NAME = "mxfp8_grouped_mm"
 SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "
-           "(fwd, dgrad, wgrad in FP8, per the recipe)")
+           "(fwd and dgrad in FP8; the wgrad in FP8 or BF16 per the recipe's wgrad_bf16 option)")
 log = logging.getLogger(__name__)
 
 
