@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers the ops before moepass.ops lists them)
 import moepass.ops.fp8_rowwise_linear  # noqa: F401
@@ -542,6 +543,18 @@ def test_fp8_rowwise_kernel_option(cuda_capability, monkeypatch):
 
 # ---- the passes under recipe="fp8_rowwise" (needs the `recipe` option in moepass.options) ------------
 
+class OpsCalled(TorchDispatchMode):
+    """Records the name ("ns::op") of every op dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
 HAS_RECIPE_OPTION = any(o.key == "recipe" for o in OPTIONS)
 needs_recipe_option = pytest.mark.skipif(not HAS_RECIPE_OPTION, reason="moepass.options has no 'recipe' option yet")
 
@@ -551,17 +564,6 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
     import moepass
     from moepass.models import build_model
     from moepass.train import next_token_loss
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpsCalled(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.name())
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     model = build_model("debug")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
+from test_fp8_rowwise_ops import OpsCalled
 from test_mxfp8_ops import grouped_inputs
 
 ops = torch.ops.moepass
@@ -39,16 +39,6 @@ def test_fake_matches_real_layout_and_zero_tokens():
     torch.library.opcheck(ops.grouped_mm_wgrad_bf16, (g, x, offs))
 
 
-class _OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("recipe", ["mxfp8", "fp8_rowwise"])
 def test_both_recipes_wgrad_bf16_backward_goes_through_the_op(recipe):
     x, w_t, offs, g = grouped_inputs([10, 0, 54], 64, 64, seed=4)
@@ -57,8 +47,8 @@ def test_both_recipes_wgrad_bf16_backward_goes_through_the_op(recipe):
         out = ops.mxfp8_grouped_mm(x, w_t, offs, "rceil", True, "emulated")
     else:
         out = ops.fp8_rowwise_grouped_mm(x, w_t, offs, True, "emulated")
-    with _OpLog() as log:
+    with OpsCalled() as log:
         out.backward(g)
-    assert "moepass.grouped_mm_wgrad_bf16" in log.names, log.names
+    assert "moepass::grouped_mm_wgrad_bf16" in log.names, log.names
     assert not any(n.endswith("_wgrad") for n in log.names), log.names  # no quantized wgrad ran
     torch.testing.assert_close(w_t.grad, ops.grouped_mm_wgrad_bf16(g, x.detach(), offs))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
-from .fp8_rowwise_kernels import require_kernel
 from .gemm_args import check_multiple
 
 ALIGN = 16  # torch._scaled_mm / _scaled_grouped_mm: K and N multiples of 16 (16-byte rows of e4m3)
@@ -12,7 +9,3 @@ ALIGN = 16  # torch._scaled_mm / _scaled_grouped_mm: K and N multiples of 16 (16
 
 def check_aligned(op: str, **dims: int) -> None:
     check_multiple(op, ALIGN, "FP8 GEMMs read 16-byte rows", **dims)
-
-
-def check_kernel(kernel: str, device: torch.device, grouped: bool) -> None:
-    require_kernel(kernel, device, grouped)

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import fp8_rowwise_grouped_mm, fp8_rowwise_linear
+from . import fp8_rowwise_linear
 from . import fp8_rowwise_quant as quant
 from .fp8_rowwise_args import ALIGN
+from .fp8_rowwise_grouped_mm import scaled_grouped_mm, zero_rows_after_last_group
 
 BF16 = torch.bfloat16
 
@@ -56,15 +57,6 @@ def _scaled_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, gemm:
                             out_dtype=BF16, use_fast_accum=fp8_rowwise_linear.FAST_ACCUM[gemm])
 
 
-def _scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
-    return torch._scaled_grouped_mm(a_q, b_q, a_scale.reciprocal(), b_scale.reciprocal(), offs,
-                                    out_dtype=BF16, use_fast_accum=fp8_rowwise_grouped_mm.FAST_ACCUM)
-
-
-def zero_rows_after_last_group(out: Tensor, offs: Tensor) -> Tensor:
-    """The grouped GEMM leaves rows at or after offs[-1] unwritten; a pointwise select Inductor fuses onward."""
-    rows_ = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
-    return torch.where(rows_ < offs[-1:], out, out.new_zeros(()))
 
 
 # ---- the five GEMMs, kernel "scaled_mm" ----------------------------------------------------------
@@ -103,7 +95,7 @@ def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
     """moepass::fp8_rowwise_grouped_mm: x per token, each expert's weight per output channel (along K)."""
     x_q, x_scale = rows(x)  # [M, K], [M, 1]
     w_q, w_scale = cols(w_t)  # [E, K, N] column-major, [E, 1, N]
-    out = _scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
+    out = scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
     return zero_rows_after_last_group(out, offs)
 
 
@@ -111,7 +103,7 @@ def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
     """moepass::fp8_rowwise_grouped_mm_dgrad: grad_out per token, each expert's weight per input channel (along N)."""
     g_q, g_scale = rows(grad_out)  # [M, N], [M, 1]
     w_q, w_scale = rows(w_t)  # [E, K, N] row-major: its transpose is dgrad's column-major [E, N, K]
-    grad_x = _scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
+    grad_x = scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
     return zero_rows_after_last_group(grad_x, offs)
 
 

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import check_aligned, check_kernel
+from .fp8_rowwise_args import check_aligned
+from .fp8_rowwise_kernels import require_kernel
 from .gemm_args import check_bf16, check_offs
 from .grouped_wgrad_bf16 import as_transposed_layout
 
@@ -24,7 +25,7 @@ FAST_ACCUM = True  # torchao's _Float8GroupedMM runs all three grouped GEMMs wit
 def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> None:
     """tokens [M, K] (forward, name "x") or [M, N] (dgrad, name "grad_out") against w_t [E, K, N], offs int32 [E]."""
     check_bf16(op, **{name: tokens}, w_t=w_t)
-    check_kernel(kernel, tokens.device, grouped=True)
+    require_kernel(kernel, tokens.device, grouped=True)
     if tokens.dim() != 2 or w_t.dim() != 3 or offs.dim() != 1:
         raise ValueError(f"{op}: expected {name} [M, D], w_t [E, K, N] and offs [E], got {tuple(tokens.shape)}, "
                          f"{tuple(w_t.shape)}, {tuple(offs.shape)}")
@@ -36,16 +37,21 @@ def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor
     check_aligned(op, K=w_t.shape[1], N=w_t.shape[2])
 
 
+def zero_rows_after_last_group(out: Tensor, offs: Tensor) -> Tensor:
+    """Rows at or after offs[-1] set to zero by a pointwise select (Inductor fuses it into the consumer)."""
+    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
+    return torch.where(rows < offs[-1:], out, out.new_zeros(()))
+
+
 def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tensor:
     if kernel == "emulated":
-        rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
-        return torch.where(rows < offs[-1:], out, out.new_zeros(()))
+        return zero_rows_after_last_group(out, offs)
     from .fp8_rowwise_triton import zero_rows_from_group_end_
 
     return zero_rows_from_group_end_(out, offs)
 
 
-def _scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
+def scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
     """torch._scaled_grouped_mm with our multipliers turned into its dequantization scales."""
     return torch._scaled_grouped_mm(a_q, b_q, a_scale.reciprocal(), b_scale.reciprocal(), offs,
                                     out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
@@ -63,7 +69,7 @@ def fp8_rowwise_grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, wgrad_bf16: boo
     if kernel == "emulated":
         out = torch._grouped_mm(quant.dequantize(x_q, x_scale), quant.dequantize(w_q, w_scale), offs=offs)
     else:
-        out = _scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
+        out = scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
     return _zero_rows_after_last_group(out, offs, kernel)
 
 
@@ -86,7 +92,7 @@ def fp8_rowwise_grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, ke
         w = quant.dequantize(w_q, w_scale).transpose(-2, -1)
         grad_x = torch._grouped_mm(quant.dequantize(g_q, g_scale), w, offs=offs)
     else:
-        grad_x = _scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
+        grad_x = scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
     return _zero_rows_after_last_group(grad_x, offs, kernel)
 
 
@@ -100,7 +106,7 @@ def _(grad_out, w_t, offs, kernel):
 
 def _check_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> None:
     check_bf16("fp8_rowwise_grouped_mm_wgrad", grad_out=grad_out, x=x)
-    check_kernel(kernel, x.device, grouped=True)
+    require_kernel(kernel, x.device, grouped=True)
     if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
         raise ValueError(f"fp8_rowwise_grouped_mm_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} "
                          "must be 2-D with the same tokens")
@@ -123,7 +129,7 @@ def fp8_rowwise_grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kern
 
         g_q_t, g_scale, padded_ends = token_group_cols_padded(grad_out, offs)  # [N, P] row-major
         x_q_t, x_scale, _ = token_group_cols_padded(x, offs)  # [K, P] row-major
-        grad_w = _scaled_grouped_mm(g_q_t, g_scale.reshape(-1), x_q_t.t(), x_scale.reshape(-1), padded_ends)
+        grad_w = scaled_grouped_mm(g_q_t, g_scale.reshape(-1), x_q_t.t(), x_scale.reshape(-1), padded_ends)
     return grad_w.transpose(-2, -1)  # [E, N, K] -> [E, K, N], column-major like w_t
 
 

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import check_aligned, check_kernel
+from .fp8_rowwise_args import check_aligned
+from .fp8_rowwise_kernels import require_kernel
 from .gemm_args import check_bf16
 
 # torchao Float8Linear's rowwise defaults: fast accumulation only where the reduction is over K of the
@@ -37,7 +38,7 @@ def _decomp():
 
 def _check_linear(op: str, name: str, t: Tensor, weight: Tensor, kernel: str) -> None:
     check_bf16(op, **{name: t}, weight=weight)
-    check_kernel(kernel, t.device, grouped=False)
+    require_kernel(kernel, t.device, grouped=False)
     if weight.dim() != 2 or t.dim() < 1:
         raise ValueError(f"{op}: weight must be [N, K] and {name} [..., D], "
                          f"got {name} {tuple(t.shape)}, weight {tuple(weight.shape)}")
@@ -115,7 +116,7 @@ def _(grad_out, weight, kernel):
 
 def _check_wgrad(grad_out: Tensor, x: Tensor, kernel: str) -> None:
     check_bf16("fp8_rowwise_linear_wgrad", grad_out=grad_out, x=x)
-    check_kernel(kernel, x.device, grouped=False)
+    require_kernel(kernel, x.device, grouped=False)
     if grad_out.dim() < 1 or grad_out.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"fp8_rowwise_linear_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} "
                          "must share leading (token) dims")
