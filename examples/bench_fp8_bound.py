@@ -1,7 +1,7 @@
-"""The most any FP8 recipe could speed up a training step on this GPU: every GEMM at FP8 speed, for free.
+"""The most an FP8 GEMM recipe could speed up a training step on this GPU: every GEMM at FP8 speed, for free.
 
     python examples/bench_fp8_bound.py --flavor 16B --layers 4 --batch 8 --seq 4096 \
-        --out examples/results/fp8_bound_16B_h200.json
+        --out examples/results/fp8_bound_16B_h200/fp8_bound_16B_l4_h200.json
 
 1. Records every GEMM of one eager BF16 training step (forward, loss, backward) of the model at its real
    shapes, strides and routed token groups (a TorchDispatchMode on aten.mm/addmm/bmm/_grouped_mm), so it
