@@ -57,8 +57,6 @@ def _scaled_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, gemm:
                             out_dtype=BF16, use_fast_accum=fp8_rowwise_linear.FAST_ACCUM[gemm])
 
 
-
-
 # ---- the five GEMMs, kernel "scaled_mm" ----------------------------------------------------------
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
