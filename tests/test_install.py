@@ -1,8 +1,10 @@
 """After `pip install`, torch.compile(backend="moepass") finds the backend with no `import moepass`."""
 
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -29,9 +31,16 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_fresh_venv_install_registers_backend(tmp_path):
     venv = tmp_path / "venv"
-    # torch and torchao come from this interpreter (a second multi-GB torch is not the point here)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
+    # torch and torchao come from the running environment (a second multi-GB torch is not the point here).
+    # `venv --system-site-packages` would inherit the *base* interpreter's packages, which inside a
+    # virtualenv lack torch; a .pth naming this environment's site-packages works in and outside one.
+    venv_site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    parent_sites = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    with open(os.path.join(venv_site, "parent_env.pth"), "w") as f:
+        f.write("\n".join(dict.fromkeys(parent_sites)) + "\n")
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", REPO],
                    check=True, timeout=300, cwd=tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
