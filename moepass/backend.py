@@ -14,6 +14,7 @@ from torch import fx
 
 from . import collect
 from .cache_key import CompiledGraphAudit
+from .ep_recompute import SaveEPExchanges
 from .options import Config
 from .pipeline import run_pipeline
 
@@ -40,7 +41,8 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
         return gm.forward  # the custom ops carry their own autograd, so eager training works too
     from torch._inductor.compile_fx import compile_fx
 
-    patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(report.compiled)}
+    patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(report.compiled),
+                     "joint_custom_pre_pass": SaveEPExchanges()}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))
     from .ops.fp8_rowwise_decomp import inductor_decompositions

@@ -3,6 +3,7 @@
 Passes run on the Dynamo graph (torch-level targets, FakeTensor values in
 `node.meta["example_value"]`). These helpers read that graph; they never mutate it except
 through `replace_node`, which keeps the metadata the report and later passes rely on.
+Data flow here includes in-place writes: `buf[i] = v` makes `buf` depend on `v`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import fnmatch
 import operator
 import re
-from collections import Counter
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 
 import networkx as nx
 import torch
@@ -32,6 +33,30 @@ def example_value(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def static_int(size) -> int | None:
+    """A size as a Python int when it is one or the shape environment pins it to one (e.g. bincount's
+    unbacked length after a view fixes it), else None. Never adds a guard."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    shape_env = getattr(node, "shape_env", None)
+    if shape_env is None:
+        return None
+    try:
+        value = shape_env.replace(node.expr)
+    except Exception:  # noqa: BLE001  (an expression the shape env cannot simplify is simply not static)
+        return None
+    return int(value) if getattr(value, "is_Integer", False) else None
+
+
+def static_shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The tensor's shape as ints, or None when any size is symbolic."""
+    if t is None:
+        return None
+    sizes = tuple(static_int(s) for s in t.shape)
+    return None if any(s is None for s in sizes) else sizes
+
+
 def tensor_meta(node) -> torch.Tensor | None:
     if not isinstance(node, fx.Node):
         return None
@@ -40,14 +65,28 @@ def tensor_meta(node) -> torch.Tensor | None:
 
 
 _PATH_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_DICT_ACCESS = re.compile(r"(?:^|\.)__dict__\[['\"]_(?:modules|parameters|buffers)['\"]\]")
+# `moe.forward.__closure__[0].cell_contents.__self__`: a module reached through a method wrapped in a closure
+# (torchtitan's forward_with_redistribution) or bound as a default argument; its __self__ is that module
+_BOUND_METHOD = re.compile(r"\.[A-Za-z_]\w*(?:\.__closure__\.\d+\.cell_contents|\.__kwdefaults__\.\w+|"
+                           r"\.__defaults__\.\d+|\.__wrapped__)+\.__self__(?=\.|$)")
+# wrappers whose own state_dict hooks drop their attribute name (torch.compile, checkpoint_wrapper, FSDP1)
+_WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def normalize_module_path(raw: str) -> str:
-    """`L['self'].layers[0].attention.wq` -> `layers.0.attention.wq` (the state_dict spelling)."""
+    """`L['self'].layers[0].attention.wq` -> `layers.0.attention.wq` (the state_dict spelling).
+
+    Dynamo spells modules reached through a wrapper as `layers.0.__dict__['_modules']['_checkpoint_wrapped_module']`
+    and through a wrapped method as `moe.forward.__closure__[0].cell_contents.__self__`; both become the
+    module's own path, and wrapper attributes are dropped as the wrappers' state_dict does.
+    """
     path = _PATH_PREFIX.sub("", raw)
+    path = _DICT_ACCESS.sub(".", path)
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    path = path.replace("._orig_mod", "").removeprefix("_orig_mod").lstrip(".")
-    return path
+    path = _BOUND_METHOD.sub("", "." + path.lstrip("."))
+    parts = [p for p in path.split(".") if p and p not in _WRAPPER_ATTRS]
+    return ".".join(parts)
 
 
 def module_path(node: fx.Node) -> str:
@@ -85,11 +124,17 @@ def op_name(node: fx.Node) -> str:
     if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         name = str(t)
         return name.removeprefix("torch.ops.").removesuffix(".default")
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return t.name()
     return getattr(t, "__name__", str(t))
 
 
 def op_histogram(gm: fx.GraphModule) -> Counter:
-    return Counter(op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    """Ops of the graph and of the HOP bodies passes rewrite (activation checkpoint bodies, ...)."""
+    from moepass.analysis.scopes import graph_scopes
+
+    return Counter(op_name(n) for scope in graph_scopes(gm) for n in scope.graph.nodes
+                   if n.op in ("call_function", "call_method", "call_module"))
 
 
 def is_call(node: fx.Node, targets) -> bool:
@@ -159,3 +204,130 @@ def replace_node(graph: fx.Graph, node: fx.Node, target, args: tuple, kwargs: di
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
+
+
+# ---------------------------------------------------------------- data flow with in-place writes
+
+
+def is_guard(node: fx.Node) -> bool:
+    """A runtime check (`_assert_scalar`, `_assert_tensor_metadata`, ...): needed only while what it checks is."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    return t in _GUARDS or (isinstance(t, torch._ops.OpOverload) and "assert" in t._opname)
+
+
+def _ops(namespace: str, name: str) -> set:
+    ns = getattr(torch.ops, namespace, None)
+    packet = getattr(ns, name, None) if ns is not None else None
+    return {packet, packet.default} if packet is not None else set()
+
+
+_GUARDS = (_ops("aten", "_assert_scalar") | _ops("aten", "sym_constrain_range_for_size")
+           | _ops("aten", "sym_constrain_range") | _ops("aten", "_assert_async")
+           | {torch._check, torch._check_is_size})
+
+
+def written_buffer(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place node writes into (`buf[i] = v`, `buf.copy_(v)`, `buf.index_add_(...)`)."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is operator.setitem:
+        return first
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_") \
+            and node.target != "requires_grad_":
+        return first
+    if node.op == "call_function" and node.target in _INPLACE_FUNCTIONS:
+        return first
+    return None
+
+
+_INPLACE_FUNCTIONS = {torch.Tensor.index_add_, torch.Tensor.scatter_, torch.Tensor.scatter_add_,
+                      torch.Tensor.index_put_, torch.Tensor.copy_, torch.Tensor.index_copy_}
+
+
+def data_inputs(node: fx.Node) -> list[fx.Node]:
+    """What a node's value depends on: its inputs, and for a buffer the in-place writes into it."""
+    return list(node.all_input_nodes) + [u for u in node.users if written_buffer(u) is node]
+
+
+def data_users(node: fx.Node) -> list[fx.Node]:
+    """Nodes whose value depends on this one; a write makes the buffer written into depend on it too."""
+    users = list(node.users)
+    buffer = written_buffer(node)
+    return users + ([buffer] if buffer is not None else [])
+
+
+def ancestors(node: fx.Node, stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """Every node `node` depends on, not expanding past `stop` (which are included)."""
+    stop, seen, frontier = set(stop), set(), [node]
+    while frontier:
+        for a in data_inputs(frontier.pop()):
+            if a not in seen:
+                seen.add(a)
+                if a not in stop:
+                    frontier.append(a)
+    return seen
+
+
+def between(sources: Iterable[fx.Node], target: fx.Node, stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """Nodes on a data path from any source to target, ends included; the backward walk stops at `stop`."""
+    sources = set(sources)
+    upstream = ancestors(target, stop=set(stop) | sources) | {target}
+    reached = {s for s in sources if s in upstream}
+    frontier = list(reached)
+    while frontier:
+        for u in data_users(frontier.pop()):
+            if u in upstream and u not in reached:
+                reached.add(u)
+                frontier.append(u)
+    return reached
+
+
+def later_values(start: fx.Node, after: fx.Node, accept: Callable[[fx.Node], bool], limit: int) -> list[fx.Node]:
+    """The first `limit` accepted values computed from `start`, scanning the graph forward from `after`."""
+    reached, found, scanning = {start}, [], False
+    for n in after.graph.nodes:
+        scanning = scanning or n is after
+        if not scanning or n.op == "output" or not any(a in reached for a in n.all_input_nodes):
+            continue
+        reached.add(n)
+        if (buffer := written_buffer(n)) is not None:
+            reached.add(buffer)
+        if accept(n):
+            found.append(n)
+            if len(found) == limit:
+                break
+    return found
+
+
+def nearest_ancestors(start: fx.Node, accept: Callable[[fx.Node], bool], stop: Iterable[fx.Node] = ()) -> list[fx.Node]:
+    """Breadth-first from `start` backwards: the first accepted node on every path (not expanded further)."""
+    stop, seen, found = set(stop), {start}, []
+    queue = deque(data_inputs(start))
+    while queue:
+        n = queue.popleft()
+        if n in seen:
+            continue
+        seen.add(n)
+        if accept(n):
+            found.append(n)
+        elif n not in stop:
+            queue.extend(data_inputs(n))
+    return found
+
+
+def is_unused(node: fx.Node) -> bool:
+    """Nothing reads the node's value: no users but unused ones, and no side effects (Dynamo keeps dead
+    `x.size()` reads in HOP bodies)."""
+    if node.op in ("output", "placeholder") or written_buffer(node) is not None:
+        return False
+    if node.op == "call_function" and node.is_impure():
+        return False
+    return all(is_unused(u) for u in node.users)
+
+
+def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's index in graph order (computed afresh: callers may have edited the graph)."""
+    return {n: i for i, n in enumerate(graph.nodes)}

@@ -13,6 +13,7 @@ import time
 
 from torch import fx
 
+from .analysis.scopes import graph_scopes
 from .graph import op_histogram
 from .options import PIPELINE, Config
 from .report import GraphRecord, PassRecord
@@ -26,9 +27,17 @@ def load_pass(name: str):
     return importlib.import_module(f"moepass.passes.{name}")
 
 
+def graph_code(gm: fx.GraphModule) -> str:
+    """Readable code of the graph and of every HOP body in it (activation checkpoint bodies, ...)."""
+    parts = [gm.code]
+    for scope in graph_scopes(gm)[1:]:
+        parts.append(f"\n# ---- {scope.kind} body {scope.name}\n{scope.gm.code}")
+    return "".join(parts)
+
+
 def run_pipeline(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRecord:
-    """Rewrite `gm` in place with every enabled pass; return the record of what happened."""
-    code_before = gm.code
+    """Rewrite `gm` (and the HOP bodies in it) in place with every enabled pass; return what happened."""
+    code_before = graph_code(gm)
     ops_before = op_histogram(gm)
     records, code_after = [], {}
     for name in config.pipeline:
@@ -36,11 +45,12 @@ def run_pipeline(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRec
         record = PassRecord(name)
         start = time.perf_counter()
         mod.run(gm, example_inputs, config, record)
-        gm.graph.lint()
-        gm.recompile()
+        for scope in reversed(graph_scopes(gm)):  # bodies first: a parent's code calls them
+            scope.graph.lint()
+            scope.gm.recompile()
         record.ms = (time.perf_counter() - start) * 1e3
         records.append(record)
-        code_after[name] = gm.code
+        code_after[name] = graph_code(gm)
         log.info("moepass pass %s: replaced %d, skipped %d (%.1f ms)",
                  name, len(record.rewrites), len(record.skipped), record.ms)
     return GraphRecord(0, code_before, code_after, ops_before, op_histogram(gm), records)

@@ -7,6 +7,7 @@ before and after each pass, and one self-contained HTML page.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import html
@@ -40,12 +41,26 @@ class PassRecord:
     ms: float = 0.0
     # implementation name -> why it was chosen (e.g. "emulated" -> "cpu: no MXFP8 tensor cores")
     implementations: dict[str, str] = dataclasses.field(default_factory=dict)
+    scope: str = dataclasses.field(default="", repr=False, compare=False)  # HOP body being rewritten ("" at top)
+
+    @contextlib.contextmanager
+    def in_scope(self, scope):
+        """Record nodes of a HOP body (activation checkpoint, ...) as `<body>/<node>`."""
+        previous, self.scope = self.scope, scope.name
+        try:
+            yield self
+        finally:
+            self.scope = previous
+
+    def _name(self, node) -> str:
+        name = getattr(node, "name", str(node))
+        return f"{self.scope}/{name}" if self.scope else name
 
     def replace(self, node, module: str, op: str, detail: str = "") -> None:
-        self.rewrites.append(Rewrite(getattr(node, "name", str(node)), module, op, detail))
+        self.rewrites.append(Rewrite(self._name(node), module, op, detail))
 
     def skip(self, node, module: str, reason: str) -> None:
-        self.skipped.append(Skip(getattr(node, "name", str(node)), module, reason))
+        self.skipped.append(Skip(self._name(node), module, reason))
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """deepep: expert-parallel all-to-all regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics).
 
-A region (see moepass.ep_region) sends every (token, expert) slot as its own row and scatters the
+A region (see moepass.analysis.ep_region) sends every (token, expert) slot as its own row and scatters the
 returned rows back to tokens. DeepEP sends a token once per destination rank and sums its rows on the
 way back, without weights. The rewrite, per region:
 
@@ -24,16 +24,28 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
-from moepass.ep_region import (EPRegion, between, find_ep_regions, forget_positions, is_autograd_function,
-                               is_collective, is_guard, written_buffer)
-from moepass.graph import example_value, tensor_meta
+from moepass.analysis.collectives import is_autograd_function, is_collective
+from moepass.analysis.ep_region import EPRegion, find_ep_regions, result_readers
+from moepass.analysis.scopes import graph_scopes
+from moepass.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
 
 NAME = "deepep"
 SUMMARY = "EP all-to-all dispatch/combine regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics)"
 log = logging.getLogger(__name__)
 
 
+# the bodies a region can sit in whole; an autograd.Function's all-to-all is lifted into its caller's graph
+_REGION_SCOPES = ("top", "activation checkpoint", "wrap", "nested compile region")
+
+
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+    for scope in graph_scopes(gm):
+        if scope.kind in _REGION_SCOPES:
+            with record.in_scope(scope):
+                _run_scope(scope.gm, config, record)
+
+
+def _run_scope(gm: fx.GraphModule, config, record) -> None:
     import moepass.ops.ep_dispatch_combine  # noqa: F401  (registers the EP ops)
     import moepass.ops.ep_permute  # noqa: F401
     from moepass.ops.ep_dispatch_combine import choose_ep_backend
@@ -70,8 +82,8 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
 
 
 def _detail(region: EPRegion, backend: str, kept_counts: bool) -> str:
-    x, ids = tensor_meta(region.x), tensor_meta(region.topk_ids)
-    detail = (f"x[{x.shape[0]},{x.shape[1]}] {str(x.dtype).removeprefix('torch.')}, top-{ids.shape[1]} of "
+    x = tensor_meta(region.x)
+    detail = (f"x[{region.num_tokens},{region.hidden}] {str(x.dtype).removeprefix('torch.')}, top-{region.top_k} of "
               f"{region.num_experts} experts over {region.group_size} ranks (group {region.group_name!r}), "
               f"weights {region.weights_applied.replace('_', ' ')}, backend={backend}; "
               f"a2a forms {region.token_a2a.form}/{region.combine_a2a.form}; "
@@ -135,7 +147,6 @@ def rewrite_regions(gm: fx.GraphModule, regions: list[tuple[EPRegion, str]]) -> 
     """
     anchors = {n for region, _ in regions for n in _anchors(region)}
     live_before = live_nodes(gm.graph, anchors)
-    forget_positions(gm.graph)
     for region, backend in regions:
         _rewrite_region(gm, region, backend)
     _erase_dead(gm.graph, live_before, anchors)
@@ -151,14 +162,16 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     graph = gm.graph
     emit = _Emitter(graph, _fake_mode(region))
     x_meta, sent_meta = tensor_meta(region.x), tensor_meta(region.token_a2a.input)
+    tokens, top_k = region.num_tokens, region.top_k
     with graph.inserting_before(region.token_a2a.node):
-        ids = region.topk_ids
+        # the ops take [T, K] ids and weights and [T, D] rows; models may hold [B, S, K] and [B, S, D]
+        ids = _as_rows(emit, region.topk_ids, tokens, top_k)
         if tensor_meta(ids).dtype != torch.int64:
             ids = emit("to", ids, torch.int64, method=True)
-        weights = region.topk_weights
+        weights = _as_rows(emit, region.topk_weights, tokens, top_k)
         if tensor_meta(weights).dtype != torch.float32:
             weights = emit("float", weights, method=True)
-        x = region.x
+        x = _as_rows(emit, region.x, tokens, region.hidden)
         if x_meta.dtype != sent_meta.dtype:  # the original sent rows cast to this dtype
             x = emit("to", x, sent_meta.dtype, method=True)
         dispatched = emit(torch.ops.moepass.ep_dispatch.default, x, ids, weights, region.num_experts,
@@ -181,7 +194,7 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     region.expert_counts.replace_all_uses_with(counts)
     # the experts now see P pair rows instead of the R received rows: their fake values follow
     experts = between({pair_in, counts}, region.expert_output)
-    for n in sorted(experts, key=_positions(graph).__getitem__):
+    for n in sorted(experts, key=graph_order(graph).__getitem__):
         if n.op in ("call_function", "call_method"):
             fake_value(n, emit.fake_mode)
 
@@ -198,19 +211,27 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
         combined_dtype = torch.float32 if backend == "reference" else x_meta.dtype
         if tensor_meta(out).dtype != combined_dtype:
             combined = emit("to", combined, tensor_meta(out).dtype, method=True)
+        if tuple(tensor_meta(out).shape) != (tokens, region.hidden):
+            combined = emit("reshape", combined, tuple(tensor_meta(out).shape), method=True)
     for n in (dispatched, combined):
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in out.meta:
                 n.meta.setdefault(key, out.meta[key])
+    buffer = written_buffer(out)  # an in-place result (`out.index_add_(...)` as a statement): its later readers
+    for reader in [u for u in result_readers(out) if u not in out.users]:
+        reader.replace_input_with(buffer, combined)
     out.replace_all_uses_with(combined)
+
+
+def _as_rows(emit, node: fx.Node, rows: int, width: int) -> fx.Node:
+    """`node` as [rows, width] (a view when it is [B, S, width])."""
+    if tuple(tensor_meta(node).shape) == (rows, width):
+        return node
+    return emit("reshape", node, rows, width, method=True)
 
 
 def _anchors(region: EPRegion) -> set[fx.Node]:
     return {region.counts_a2a.node, region.token_a2a.node, region.combine_a2a.node}
-
-
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 # ---------------------------------------------------------------- dead code after the rewrite

@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import fx
 
+from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.graph import is_grouped_mm, module_path, node_arg, replace_node, tensor_meta
 from moepass.gemm_plan import plan_gemm
 from moepass.mxfp8_rules import dtype_problem, module_filter_problem
@@ -33,14 +34,16 @@ class GroupedMMMatch:
     bias: object
     out_dtype: object
     module: str
+    scope: Scope  # the graph holding the node: the top graph or a HOP body (activation checkpoint, ...)
 
 
 def find_grouped_mms(gm: fx.GraphModule) -> list[GroupedMMMatch]:
-    """Every grouped GEMM node, with its operands read from positional or keyword form. Pure."""
+    """Every grouped GEMM node in the graph and its HOP bodies, with its operands read from positional or
+    keyword form. Pure."""
     return [
         GroupedMMMatch(n, n.args[0], node_arg(n, 1, "mat2", node_arg(n, 1, "mat_b")), node_arg(n, 2, "offs"),
-                       node_arg(n, 3, "bias"), node_arg(n, 4, "out_dtype"), module_path(n))
-        for n in gm.graph.nodes if is_grouped_mm(n)
+                       node_arg(n, 3, "bias"), node_arg(n, 4, "out_dtype"), module_path(n), scope)
+        for scope in graph_scopes(gm) for n in scope.graph.nodes if is_grouped_mm(n)
     ]
 
 
@@ -66,17 +69,22 @@ def _problem(m: GroupedMMMatch, config) -> str | None:
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     for m in find_grouped_mms(gm):
-        problem = _problem(m, config)
-        if problem:
-            record.skip(m.node, m.module, problem)
-            continue
-        x = tensor_meta(m.x)
-        e, k, n = tensor_meta(m.w_t).shape
-        plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e)
-        if isinstance(plan, str):
-            record.skip(m.node, m.module, plan)
-            continue
-        record.implementations[plan.kernel] = plan.kernel_why
-        replace_node(gm.graph, m.node, plan.op, (m.x, m.w_t, m.offs, *plan.recipe_args))
-        record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"E={e} K={k} N={n} {plan.detail}")
+        with record.in_scope(m.scope):
+            _rewrite(m, config, record)
     log.debug("mxfp8_grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
+
+
+def _rewrite(m: GroupedMMMatch, config, record) -> None:
+    problem = _problem(m, config)
+    if problem:
+        record.skip(m.node, m.module, problem)
+        return
+    x = tensor_meta(m.x)
+    e, k, n = tensor_meta(m.w_t).shape
+    plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e)
+    if isinstance(plan, str):
+        record.skip(m.node, m.module, plan)
+        return
+    record.implementations[plan.kernel] = plan.kernel_why
+    replace_node(m.scope.graph, m.node, plan.op, (m.x, m.w_t, m.offs, *plan.recipe_args))
+    record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"E={e} K={k} N={n} {plan.detail}")

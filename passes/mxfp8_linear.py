@@ -18,8 +18,9 @@ import operator
 import torch
 from torch import fx
 
+from moepass.analysis.scopes import Scope, dataflow, graph_scopes
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
-                           replace_node, tensor_meta, to_networkx)
+                           replace_node, tensor_meta)
 from moepass.gemm_plan import plan_gemm
 from moepass.mxfp8_rules import dtype_problem, module_filter_problem
 
@@ -41,6 +42,7 @@ class LinearMatch:
     bias: fx.Node | None
     module: str
     role: str | None  # "router", "output_head" or None
+    scope: Scope  # the graph holding the node: the top graph or a HOP body (activation checkpoint, ...)
 
 
 def _untransposed_weight(node) -> fx.Node | None:
@@ -73,22 +75,29 @@ def _is_residual_add(n: fx.Node, numel: int) -> bool:
     return is_add and isinstance(v, torch.Tensor) and v.numel() >= numel
 
 
-def _role(g, node: fx.Node) -> str | None:
+def _role(g, node: fx.Node, top: fx.Graph) -> str | None:
     downstream = reaches(g, node, stop_at=is_gemm)
     if any(_is_topk(n) for n in downstream):
         return "router"
     out = example_value(node)
     numel = out.numel() if isinstance(out, torch.Tensor) else 0
-    if not any(is_gemm(n) or _is_residual_add(n, numel) for n in downstream):
+    # a body output the data flow does not follow (an autograd.Function's) may reach anything
+    leaves_unfollowed = any(n.op == "output" and n.graph is not top and not list(g.successors(n)) for n in downstream)
+    if not leaves_unfollowed and not any(is_gemm(n) or _is_residual_add(n, numel) for n in downstream):
         return "output_head"
     return None
 
 
 def find_linears(gm: fx.GraphModule) -> list[LinearMatch]:
-    """Every linear-shaped GEMM in the graph, with its role. Pure: does not touch the graph."""
-    g = to_networkx(gm.graph)
+    """Every linear-shaped GEMM in the graph and its HOP bodies, with its role. Pure: does not touch the graph."""
+    scopes = graph_scopes(gm)
+    g = dataflow(scopes)
+    return [m for scope in scopes for m in _scope_linears(scope, g, gm.graph)]
+
+
+def _scope_linears(scope: Scope, g, top: fx.Graph) -> list[LinearMatch]:
     matches = []
-    for node in gm.graph.nodes:
+    for node in scope.graph.nodes:
         if is_linear(node):
             x, w, b = node.args[0], node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
         elif is_matmul(node) and len(node.args) == 2:
@@ -97,7 +106,7 @@ def find_linears(gm: fx.GraphModule) -> list[LinearMatch]:
                 continue  # activation @ activation (e.g. attention scores): not a linear
         else:
             continue
-        matches.append(LinearMatch(node, x, w, b, module_path(node), _role(g, node)))
+        matches.append(LinearMatch(node, x, w, b, module_path(node), _role(g, node, top), scope))
     return matches
 
 
@@ -122,17 +131,22 @@ def _problem(m: LinearMatch, config) -> str | None:
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     for m in find_linears(gm):
-        problem = _problem(m, config)
-        if problem:
-            record.skip(m.node, m.module, problem)
-            continue
-        x = tensor_meta(m.x)
-        n, k = tensor_meta(m.weight).shape
-        plan = plan_gemm(config, "linear", x.device, math.prod(x.shape[:-1]), k, n)
-        if isinstance(plan, str):
-            record.skip(m.node, m.module, plan)
-            continue
-        record.implementations[plan.kernel] = plan.kernel_why
-        replace_node(gm.graph, m.node, plan.op, (m.x, m.weight, m.bias, *plan.recipe_args))
-        record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"K={k} N={n} {plan.detail}")
+        with record.in_scope(m.scope):
+            _rewrite(m, config, record)
     log.debug("mxfp8_linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
+
+
+def _rewrite(m: LinearMatch, config, record) -> None:
+    problem = _problem(m, config)
+    if problem:
+        record.skip(m.node, m.module, problem)
+        return
+    x = tensor_meta(m.x)
+    n, k = tensor_meta(m.weight).shape
+    plan = plan_gemm(config, "linear", x.device, math.prod(x.shape[:-1]), k, n)
+    if isinstance(plan, str):
+        record.skip(m.node, m.module, plan)
+        return
+    record.implementations[plan.kernel] = plan.kernel_why
+    replace_node(m.scope.graph, m.node, plan.op, (m.x, m.weight, m.bias, *plan.recipe_args))
+    record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"K={k} N={n} {plan.detail}")

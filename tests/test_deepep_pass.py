@@ -117,7 +117,7 @@ def test_importing_the_backend_turns_on_the_capture_flags_ep_graphs_need():
 
 
 def test_graph_without_all_to_alls_is_left_untouched():
-    from moepass.ep_region import find_ep_regions
+    from moepass.analysis.ep_region import find_ep_regions
     from moepass.models import MoE, get_config
     from moepass.options import Config
     from moepass.passes import deepep
@@ -148,7 +148,7 @@ def _tokens(rank):
 
 def check_finder_finds_one_region_per_moe_layer(rank, world_size):
     import moepass.backend  # noqa: F401  (sets the capture flags, as torch.compile(backend="moepass") would)
-    from moepass.ep_region import find_ep_regions
+    from moepass.analysis.ep_region import find_ep_regions
     from moepass.graph import module_path
 
     model = _debug_model(n_layers=3)
@@ -366,7 +366,7 @@ class TitanMoE(nn.Module):
 
 def check_titan_style_moe(rank, world_size, score_before_experts, megatron):
     import moepass.backend  # noqa: F401  (sets the capture flags, as torch.compile(backend="moepass") would)
-    from moepass.ep_region import find_ep_regions
+    from moepass.analysis.ep_region import find_ep_regions
 
     torch.manual_seed(0)
     moe = TitanMoE(dist.group.WORLD, score_before_experts, megatron)
@@ -379,8 +379,8 @@ def check_titan_style_moe(rank, world_size, score_before_experts, megatron):
     form = "autograd.Function (in-place)" if megatron else "functional"
     forms = (region.counts_a2a.form, region.token_a2a.form, region.combine_a2a.form)
     assert forms == ("in-place" if megatron else "functional", form, form), forms
-    # the first [T, D] value after the combine: bmm(...).to(dtype).squeeze(1), or unsorted.sum(dim=1)
-    expected = ("call_method", "sum" if score_before_experts else "squeeze")
+    # the first T x D value after the combine: bmm(...) ([T, 1, D], squeezed later), or unsorted.sum(dim=1)
+    expected = ("call_method", "sum") if score_before_experts else ("call_function", torch.bmm)
     assert (region.tokens_out.op, region.tokens_out.target) == expected
 
     want = _run(moe, x, compile_=False)

@@ -1,0 +1,403 @@
+"""Expert-parallel regions in a Dynamo graph, found by what they compute.
+
+An EP MoE block, however it is spelled, is
+
+    counts all-to-all   per-expert slot counts [E] (or [ranks, E/ranks]) -> received counts   (splits to the host)
+    token all-to-all    x[token of slot] (rows sorted by expert) -> received rows        (splits from the counts)
+    expert-major gather received[perm] -> experts(rows, rows per local expert) -> y
+    combine all-to-all  y un-permuted -> rows in the order they were sent               (splits swapped)
+    weighted sum        sum over each token's K rows (times its routing weight) -> [T, D] (or [B, S, D])
+
+The all-to-alls are the anchors (moepass.analysis.collectives). The finder names the region's leaves
+and joints by data-flow position and shape only (expert ids: the integer tensor both the counts and the
+sent rows come from; x: the [T, D] rows the sent rows are gathered from; the result: the first [T, D]
+value after the combine computable from the returned rows, ids and one [T, K] weight tensor), then
+moepass.analysis.ep_checks *evaluates* the index subgraphs on concrete routings and proves each joint
+computes what DeepEP's dispatch/combine compute. How the counts were built (bincount, histc, one_hot,
+scatter_), how splits reach the host (.tolist(), .item(), .cpu()) and how rows are scattered back
+(index_add, scatter_add, index_put, a reshape and sum, a custom scatter-add op) is never matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import fx
+
+from moepass.graph import (ancestors, between, data_inputs, data_users, example_value, graph_order, is_guard,
+                           later_values, module_path, nearest_ancestors, is_unused, static_int, static_shape, tensor_meta,
+                           written_buffer)
+from .collectives import AllToAll, find_all_to_alls
+from .evaluate import NotEvaluable, backward_slice
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+_MAX_RESULT_CANDIDATES = 8  # [T, D] values after the combine tried as the region's result, in graph order
+# row tensors before the combine tried as the experts' output, latest first (most fail fast: not computable from one)
+_MAX_EXPERT_OUTPUT_CANDIDATES = 64
+
+
+@dataclasses.dataclass
+class EPRegion:
+    """One dispatch + combine region, with what the DeepEP rewrite needs."""
+
+    module: str
+    counts_a2a: AllToAll
+    token_a2a: AllToAll
+    combine_a2a: AllToAll
+    x: fx.Node  # token rows before routing: T rows of D in all ([T, D] or [B, S, D])
+    topk_ids: fx.Node  # global expert ids, [..., K] with T rows in all
+    topk_weights: fx.Node | None  # routing weights, shaped like topk_ids
+    num_tokens: int
+    top_k: int
+    hidden: int
+    num_experts: int
+    group_size: int
+    group_name: str
+    expert_input: fx.Node  # received rows in expert-major order, as the experts read them
+    expert_counts: fx.Node | None  # rows per local expert fed to the experts (set by ep_checks)
+    expert_output: fx.Node | None  # the experts' output rows, in expert_input's order (set by ep_checks)
+    tokens_out: fx.Node | None  # sum over each token's K expert rows (weighted or not), T rows of D
+    weights_applied: str = ""  # "before_experts" or "after_experts"
+    checked_routings: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.group_size
+
+
+@dataclasses.dataclass
+class RegionSkip:
+    node: fx.Node
+    module: str
+    reason: str
+
+
+class Mismatch(Exception):
+    """The region does not compute what DeepEP's dispatch/combine compute; `reason` says where.
+
+    `stage` orders how far the analysis got (naming the parts, then each evaluation check): when several
+    readings of a region fail, the reason of the one that got furthest is the one a user can act on."""
+
+    def __init__(self, node: fx.Node, reason: str, stage: int = 0):
+        super().__init__(reason)
+        self.node, self.reason, self.stage = node, reason, stage
+
+
+def find_ep_regions(gm: fx.GraphModule) -> tuple[list[EPRegion], list[RegionSkip]]:
+    """Every EP dispatch/combine region of one graph, checked; and every all-to-all left alone, with the reason.
+
+    Pure: reads the graph, evaluates slices of it on samples, never edits it.
+    """
+    from .ep_checks import check_region
+
+    a2as = find_all_to_alls(gm)
+    order = graph_order(gm.graph)
+    # backward walks stop at all-to-alls: what a region computes lies between its own ones
+    boundary = {a.node for a in a2as} | {a.result for a in a2as}
+    regions, skips, used = [], [], set()
+    for tok in a2as:
+        comb = next((c for c in a2as if c is not tok and _is_reverse(tok, c) and order[c.node] > order[tok.node]), None)
+        if comb is None:
+            continue
+        # the nearest one: an earlier layer's counts feed these splits too, through the hidden states
+        counts = next((c for c in reversed(a2as) if c not in (tok, comb) and order[c.node] < order[tok.node]
+                       and _feeds_splits(c, tok, boundary)), None)
+        used.update({id(tok), id(comb)} | ({id(counts)} if counts else set()))
+        try:
+            if counts is None:
+                raise Mismatch(tok.node, "no counts all-to-all found upstream of the token all-to-all's split sizes")
+            regions.append(_match_region(gm, counts, tok, comb, boundary, check_region))
+        except Mismatch as m:
+            skips.append(RegionSkip(m.node, module_path(tok.node), m.reason))
+        except Exception as error:  # an unforeseen graph shape must not break the user's compile
+            skips.append(RegionSkip(tok.node, module_path(tok.node),
+                                    f"could not analyse the region ({type(error).__name__}: {error})"))
+    for a in a2as:
+        if id(a) not in used:
+            skips.append(RegionSkip(a.node, module_path(a.node), "all-to-all is not part of a dispatch/combine pair "
+                                                                 "(no later all-to-all with swapped splits)"))
+    return regions, skips
+
+
+# ---------------------------------------------------------------- pairing the all-to-alls
+
+
+def _same_split(a, b) -> bool:
+    return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
+
+
+def _is_reverse(tok: AllToAll, comb: AllToAll) -> bool:
+    """comb sends back what tok received: rows, same group, host split sizes swapped."""
+    if tok.group_name != comb.group_name or tok.output_splits is None or tok.input_splits is None:
+        return False
+    if not all(_has_rows(a.input) for a in (tok, comb)) or \
+            not any(isinstance(s, fx.Node) for s in tok.output_splits + tok.input_splits):
+        return False
+    if comb.input_splits is None or comb.output_splits is None or len(tok.input_splits) != len(comb.output_splits):
+        return False
+    return all(_same_split(a, b) for a, b in zip(tok.output_splits, comb.input_splits)) and \
+        all(_same_split(a, b) for a, b in zip(tok.input_splits, comb.output_splits))
+
+
+def _has_rows(node) -> bool:
+    t = tensor_meta(node)
+    return t is not None and t.dim() == 2
+
+
+def _feeds_splits(counts: AllToAll, tok: AllToAll, boundary: set[fx.Node]) -> bool:
+    split_nodes = [s for s in tok.output_splits or () if isinstance(s, fx.Node)]
+    return counts.group_name == tok.group_name and any(counts.result in ancestors(s, boundary) for s in split_nodes)
+
+
+# ---------------------------------------------------------------- naming the region's parts
+
+
+def _index_meta(node) -> torch.Tensor | None:
+    t = tensor_meta(node)
+    return t if t is not None and t.dtype in _INDEX_DTYPES else None
+
+
+def token_rows(node, rows: int, width: int, floating: bool = True) -> bool:
+    """`node` holds `rows` token rows of `width` values: [rows, width], or [B, S, width] with B * S == rows."""
+    t = tensor_meta(node)
+    shape = static_shape(t)
+    return shape is not None and len(shape) >= 2 and shape[-1] == width and math.prod(shape[:-1]) == rows \
+        and t.is_floating_point() == floating
+
+
+_MAX_IDS_CANDIDATES = 3  # integer tensors tried as the top-k ids, nearest to the counts first
+
+
+def _match_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundary: set[fx.Node], check) -> EPRegion:
+    """Identify and check one region. The top-k ids are the integer [T, K] tensor both the counts and the sent
+    rows come from; a routing map ([T, E] one-hot) also is, so candidates are tried nearest first and the
+    first whose checks pass wins. Else the reason given is that of the candidate whose analysis got furthest,
+    then the narrowest (ids have K <= E columns, a routing map E)."""
+    num_experts = _check_counts_exchange(counts, tok)
+    mismatches = []
+    for ids in _ids_candidates(counts, tok, boundary):
+        try:
+            region = identify_region(gm, counts, tok, comb, boundary, ids, num_experts)
+            check(gm, region)
+            return region
+        except Mismatch as m:
+            mismatches.append((-m.stage, tensor_meta(ids).shape[-1], len(mismatches), m))
+    if not mismatches:
+        raise Mismatch(counts.node, "could not find the top-k expert ids [T, K] both the counts and the rows "
+                                    "sent are computed from")
+    raise min(mismatches, key=lambda m: m[:3])[3]
+
+
+def _check_counts_exchange(counts: AllToAll, tok: AllToAll) -> int:
+    """The number of experts, when the counts exchange sends a static count per expert split evenly over ranks."""
+    num_ranks = len(tok.input_splits)
+    counts_shape = static_shape(_index_meta(counts.input))
+    if not counts_shape:
+        raise Mismatch(counts.node, "counts all-to-all does not send a static integer count per expert "
+                                    f"(sends {_describe(counts.input)})")
+    num_experts, rows = math.prod(counts_shape), counts_shape[0]
+    splits = None if counts.input_splits is None else tuple(
+        static_int(example_value(s) if isinstance(s, fx.Node) else s) for s in counts.input_splits)
+    if num_experts % num_ranks or rows % num_ranks or splits not in (None, (rows // num_ranks,) * num_ranks):
+        raise Mismatch(counts.node, f"{num_experts} expert counts ({list(counts_shape)}, splits "
+                                    f"{counts.input_splits}) are not split evenly over {num_ranks} ranks")
+    return num_experts
+
+
+def _ids_candidates(counts: AllToAll, tok: AllToAll, boundary: set[fx.Node]) -> list[fx.Node]:
+    sent_upstream = ancestors(tok.input, boundary)
+
+    def is_ids(n):
+        t = _index_meta(n)
+        return n in sent_upstream and t is not None and t.dim() >= 2 and static_shape(t) is not None
+
+    found, seen, frontier = [], {counts.input}, [counts.input]
+    while frontier and len(found) < _MAX_IDS_CANDIDATES:  # breadth-first, expanding past accepted nodes too
+        nxt = []
+        for n in frontier:
+            for a in data_inputs(n):
+                if a not in seen and a not in boundary:
+                    seen.add(a)
+                    nxt.append(a)
+                    if is_ids(a):
+                        found.append(a)
+        frontier = nxt
+    return found[:_MAX_IDS_CANDIDATES]
+
+
+def identify_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundary: set[fx.Node], ids: fx.Node,
+                    num_experts: int) -> EPRegion:
+    """Name the leaves and joints of one region from its top-k ids (structure only; ep_checks proves what
+    they compute)."""
+    order = graph_order(gm.graph)
+    num_ranks = len(tok.input_splits)
+    ids_shape = static_shape(tensor_meta(ids))
+    top_k, num_tokens = ids_shape[-1], math.prod(ids_shape[:-1])
+    sent_shape = tensor_meta(tok.input).shape
+    hidden = static_int(sent_shape[1])
+    if hidden is None:
+        raise Mismatch(tok.node, "sent rows have a dynamic width; only static shapes are checked")
+
+    def before_tokens_sent(n):
+        return order[n] < order[tok.node]
+
+    def is_weights(n):
+        return token_rows(n, num_tokens, top_k) and before_tokens_sent(n)
+
+    # weights applied to the sent rows come first: the router path behind them also reaches x. The search
+    # stops at token rows (x and anything like it), behind which lie earlier layers' weights
+    token_like = {n for n in ancestors(tok.input, boundary) if token_rows(n, num_tokens, hidden)}
+    weights_pre = set(nearest_ancestors(tok.input, is_weights, stop=[ids, *token_like]))
+
+    def is_x(n):
+        return token_rows(n, num_tokens, hidden) and before_tokens_sent(n) \
+            and ids not in ancestors(n, boundary | {ids})
+
+    x = nearest_ancestors(tok.input, is_x, stop=[ids, *weights_pre])
+    if len(x) != 1:
+        raise Mismatch(tok.node, f"could not find the token rows x [{num_tokens}, {hidden}] "
+                                 f"the sent rows are gathered from (found {len(x)} candidates)")
+    x = x[0]
+    region = EPRegion(module_path(tok.node), counts, tok, comb, x, ids, None, num_tokens, top_k, hidden,
+                      num_experts, num_ranks, tok.group_name, _expert_input(tok, counts, comb), None, None, None)
+    region.tokens_out, region.topk_weights = _find_tokens_out(region, weights_pre, is_weights)
+    region.module = module_path(region.tokens_out) or region.module
+    return region
+
+
+def _describe(node) -> str:
+    t = tensor_meta(node)
+    return "a non-tensor" if t is None else f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _find_tokens_out(region: EPRegion, weights_pre: set[fx.Node], is_weights) -> tuple[fx.Node, fx.Node]:
+    """The first T x D value after the combine computable from (returned rows, ids, x, one weight tensor)
+    alone and used only outside the region, and that weight tensor."""
+    comb, ids, x, tok = region.combine_a2a, region.topk_ids, region.x, region.token_a2a
+    hidden = static_int(tensor_meta(comb.input).shape[1])
+    escapes = []
+    for n in later_values(comb.result, comb.node, lambda n: token_rows(n, region.num_tokens, hidden),
+                          _MAX_RESULT_CANDIDATES):
+        weights = weights_pre | set(nearest_ancestors(n, is_weights, stop=[ids, x, comb.result]))
+        if len(weights) != 1:
+            continue
+        try:
+            backward_slice([n], {comb.result, ids, x, *weights})
+        except NotEvaluable:
+            continue
+        (weights,) = weights
+        escape = _escape(tok, n, stop={x, ids, weights, region.counts_a2a.node})
+        if escape is None:
+            return n, weights
+        escapes.append(escape)
+    if escapes:
+        raise Mismatch(tok.node, escapes[0], stage=1)
+    raise Mismatch(comb.node, f"no [{region.num_tokens}, {hidden}] result computed from the returned rows, expert "
+                              "ids and one routing-weight tensor")
+
+
+def result_readers(tokens_out: fx.Node) -> list[fx.Node]:
+    """Who reads the region's result: the node's users, and when the result is an in-place write into a buffer
+    (`out.index_add_(...)` as a statement), the buffer's readers after the write."""
+    readers = list(tokens_out.users)
+    buffer = written_buffer(tokens_out)
+    if buffer is not None:
+        order = graph_order(tokens_out.graph)
+        readers += [u for u in buffer.users if order[u] > order[tokens_out]]
+    return readers
+
+
+def _escape(tok: AllToAll, tokens_out: fx.Node, stop: set[fx.Node]) -> str | None:
+    """Why a value between the token all-to-all and the result is used outside the region (None: it is not)."""
+    inner = between({tok.node}, tokens_out, stop) - {tokens_out}
+    allowed = set(result_readers(tokens_out)) | {tokens_out}
+    for n in inner:
+        for u in n.users:
+            only_guarded = tensor_meta(u) is None and not u.users.keys() - {g for g in u.users if is_guard(g)}
+            if u in inner or u in allowed or is_guard(u) or only_guarded or is_unused(u):
+                continue
+            return f"{n.name} (inside the EP region) is also used by {u.name}, outside it"
+    return None
+
+
+def _expert_input(tok: AllToAll, counts: AllToAll, comb: AllToAll) -> fx.Node:
+    """The received rows as the experts read them: the latest value computed from the received rows and counts
+    alone through which every such value the experts (or anything else) read passes. ep_checks proves it is
+    a permutation of the received rows grouping them by local expert (gather, index_select, split + cat ...)."""
+    received = {tok.result, counts.result}
+    downstream = between({tok.result}, comb.input, stop=received) - {comb.input}
+    local = {n for n in downstream if tensor_meta(n) is not None and _computable_from(n, received)}
+    local.add(tok.result)
+    frontier = {n for n in local if any(u not in local and not _reads_metadata(u, n) for u in n.users)}
+    order = graph_order(tok.node.graph)
+    for candidate in sorted(local, key=order.__getitem__, reverse=True):
+        if not _reaches_avoiding(tok.result, frontier - {candidate}, avoid=candidate, within=local):
+            return candidate
+    return tok.result
+
+
+def _computable_from(node: fx.Node, leaves: set[fx.Node]) -> bool:
+    try:
+        backward_slice([node], leaves)
+    except NotEvaluable:
+        return False
+    return True
+
+
+def _reads_metadata(user: fx.Node, node: fx.Node) -> bool:
+    from .evaluate import _reads_only_metadata
+
+    return _reads_only_metadata(user, node) or tensor_meta(user) is None
+
+
+def _reaches_avoiding(start: fx.Node, targets: set[fx.Node], avoid: fx.Node, within: set[fx.Node]) -> bool:
+    """Some target is reachable from start through `within` without passing `avoid`."""
+    if start is avoid:
+        return False
+    seen, frontier = {start}, [start]
+    while frontier:
+        n = frontier.pop()
+        if n in targets:
+            return True
+        for u in data_users(n):
+            if u in within and u is not avoid and u not in seen:
+                seen.add(u)
+                frontier.append(u)
+    return False
+
+
+def expert_output_candidates(region: EPRegion) -> list[fx.Node]:
+    """Row tensors between the experts' input and the rows sent back, latest first: one of them is the
+    experts' output that the rows sent back un-permute (ep_checks decides which by evaluation)."""
+    comb, expert_input = region.combine_a2a, region.expert_input
+    width = static_int(tensor_meta(comb.input).shape[1])
+    received = {region.token_a2a.result, region.counts_a2a.result}
+    inner = between({expert_input}, comb.input, stop=received) - {comb.input}
+    order = graph_order(comb.node.graph)
+    rows = [n for n in inner if (t := tensor_meta(n)) is not None and t.dim() == 2 and static_int(t.shape[1]) == width
+            and t.is_floating_point() and written_buffer(n) is None]
+    if not rows:
+        raise Mismatch(comb.node, "the rows sent back are not computed from the expert-major received rows")
+    return sorted(rows, key=order.__getitem__, reverse=True)[:_MAX_EXPERT_OUTPUT_CANDIDATES]
+
+
+def expert_counts_candidates(region: EPRegion) -> tuple[list[fx.Node], list[fx.Node]]:
+    """([E_local] integer nodes through which the received counts reach the experts, latest first;
+    the experts' inputs computed from them). ep_checks picks the one holding the rows per local expert."""
+    tok, counts, expert_input = region.token_a2a, region.counts_a2a, region.expert_input
+    received = {tok.result, counts.result}
+    expert_nodes = between({expert_input}, region.expert_output, stop=received)
+    side = {a for n in expert_nodes - {expert_input} for a in n.all_input_nodes if a not in expert_nodes}
+    upstream = {s: ancestors(s, stop=received) | {s} for s in side}
+    if any(tok.result in up for up in upstream.values()):
+        raise Mismatch(tok.node, "the experts read the received rows other than through the expert-major rows")
+    from_counts = [s for s in side if counts.result in upstream[s]]
+    if not from_counts:
+        raise Mismatch(tok.node, "the experts are given no group sizes derived from the received counts")
+    candidates = {c for s in from_counts for c in upstream[s]
+                  if static_shape(_index_meta(c)) == (region.num_local_experts,)
+                  and counts.result in ancestors(c, stop=received)}
+    order = graph_order(tok.node.graph)
+    return sorted(candidates, key=order.__getitem__, reverse=True), from_counts

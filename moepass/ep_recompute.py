@@ -1,0 +1,47 @@
+"""EP dispatch and combine are never recomputed: under activation checkpointing the backward sends nothing twice.
+
+Full AC asks the partitioner to recompute everything in a checkpointed block; a selective policy
+(torchtitan's op-level SAC) saves the ops it lists, and `all_to_all_single` is on torchtitan's list,
+but `moepass::ep_dispatch` / `ep_combine` are on nobody's. Left alone, the backward would run the
+dispatch (and combine) again: one more all-to-all of every routed token per layer. PyTorch's
+partitioner already refuses to recompute `_c10d_functional` collectives outside AC regions; this
+joint-graph pass extends that to moepass's EP ops inside them, marking their outputs MUST_SAVE. The
+cost is memory: the received rows stay alive until the backward, as a saved all-to-all's would.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .cache_key import source_hash
+
+_COMMUNICATING = ("ep_dispatch", "ep_combine", "ep_dispatch_cached", "ep_dispatch_backward")
+
+
+def is_ep_exchange(node: torch.fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "moepass" \
+        and t._opname in _COMMUNICATING
+
+
+def _mark_saved(node: torch.fx.Node) -> None:
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    for user in node.users:  # a tuple output is saved through its getitems (the partitioner skips tuples)
+        if user.op == "call_function" and user.target is operator.getitem:
+            _mark_saved(user)
+
+
+class SaveEPExchanges(CustomGraphPass):
+    """Inductor `joint_custom_pre_pass`: EP dispatch/combine outputs are saved for backward, never recomputed."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in graph.nodes:
+            if is_ep_exchange(node):
+                _mark_saved(node)
+
+    def uuid(self) -> str:
+        return f"moepass-save-ep-{source_hash()}"

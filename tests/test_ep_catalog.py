@@ -1,0 +1,88 @@
+"""The deepep pass on a catalog of independently written EP MoE blocks (tests/independent/ep_catalog.py).
+
+Each block is spelled as a different engineer would write it (counts by bincount, histc, one_hot, scatter_;
+1-D or [ranks, E/ranks] counts; [T, K] or [B, S, K] ids; splits by .tolist(), .item(), .cpu(); funcol,
+autograd funcol, in-place c10d and Megatron autograd.Function all-to-alls; combines by index_add,
+scatter_add, index_put, a reshape-sum over K and a custom scatter-add op; weights before or after the
+experts). Every plain block must be rewritten, with no all-to-all left and the numbers of the
+uncompiled block; every non-plain one (drops slots, sends padding, averages, pads groups) must be left
+alone with a reason naming what differs from DeepEP's dispatch/combine.
+
+Runs eagerly after the rewrite (inductor=False): what is checked is the rewrite, on 2 gloo ranks.
+Tolerances: outputs atol = rtol = 2e-2 and gradients within 1/32 of their largest value (bf16 rows summed
+in fp32 by the rewrite, in bf16 by some originals).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_ep_ops import RankPools
+
+import ep_catalog
+
+# what each non-plain block must be refused for (a substring of the skip reason)
+REFUSED_FOR = {
+    "CapacityDroppingDispatch": "top-k slots per expert",
+    "SenderPaddedGroups": "top-k slots per expert",
+    "ScatterReduceMeanCombine": "not the sum of each token's K returned rows",
+    "TorchAOPaddedPermute": "not a permutation of the received rows",
+}
+
+
+@pytest.fixture(scope="module")
+def rank_pool():
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
+def _forward_backward(fn, block, x, rank):
+    block.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = fn(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + rank))
+    (out.float() * g).sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.clone(), grads
+
+
+def check_block(rank, world_size, name):
+    import moepass
+
+    block = ep_catalog.build(name, dist.group.WORLD)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
+    want = _forward_backward(block, block, x, rank)
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        compiled = torch.compile(block, backend="moepass", fullgraph=True,
+                                 options={"passes": ["deepep"], "inductor": False})
+        got = _forward_backward(compiled, block, x, rank)
+    d = report.to_dict()
+    (deepep,) = [p for p in d["passes"] if p["name"] == "deepep"]
+    a2a_left = sum(v for k, v in d["ops_after"].items() if "all_to_all_single" in k)
+    if name in REFUSED_FOR:
+        assert deepep["replaced"] == 0, deepep
+        assert any(REFUSED_FOR[name] in s["reason"] for s in deepep["skipped"]), deepep["skipped"]
+        assert a2a_left == 3
+    else:
+        assert ep_catalog.CATALOG[name][1]
+        assert deepep["replaced"] == 1 and deepep["skipped"] == [], deepep
+        assert a2a_left == 0 and d["ops_after"]["moepass.ep_dispatch"] == 1, d["ops_after"]
+    (out, x_grad, grads), (ref_out, ref_x_grad, ref_grads) = got, want
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+    assert grads.keys() == ref_grads.keys()
+    for key, grad, ref in [("x", x_grad, ref_x_grad)] + [(n, grads[n], ref_grads[n]) for n in grads]:
+        scale = ref.abs().max().float().clamp_min(1e-6)
+        assert (grad.float() - ref.float()).abs().max() <= scale / 32, key
+
+
+def test_catalog_has_the_forms_the_pass_must_accept():
+    plain = [n for n, (_, is_plain) in ep_catalog.CATALOG.items() if is_plain]
+    assert len(plain) >= 6 and set(REFUSED_FOR) == set(ep_catalog.CATALOG) - set(plain)
+
+
+@pytest.mark.parametrize("name", list(ep_catalog.CATALOG))
+def test_catalog_block(name, rank_pool):
+    rank_pool(2).run(check_block, name)
