@@ -1,8 +1,8 @@
 """The post-grad graph audit that also keeps the compile caches honest about moepass's code.
 
 Inductor calls it on every post-grad graph it compiles (forward and backward), so the report
-can show which moepass ops really reached the compiled graphs: the quantized dgrad and wgrad
-GEMMs only exist in the backward graph AOTAutograd derives. FP8-rowwise ops with kernel "scaled_mm"
+can show which moepass ops (and collectives) really reached the compiled graphs: the quantized dgrad and
+wgrad GEMMs only exist in the backward graph AOTAutograd derives. FP8-rowwise ops with kernel "scaled_mm"
 are decomposed before this point: they show as aten._scaled_mm / _scaled_grouped_mm. It never changes a graph.
 
 A custom op's Python body and autograd formula are not part of Inductor's FX-graph cache key
@@ -58,7 +58,8 @@ class CompiledGraphAudit(CustomGraphPass):
         for n in graph.nodes:
             t = n.target
             if n.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-                if t.namespace == "moepass" or t._opname in GEMMS:
+                # collectives too: under activation checkpointing the backward must not send tokens again
+                if t.namespace in ("moepass", "_c10d_functional") or t._opname in GEMMS:
                     ops[f"{t.namespace}.{t._opname}"] += 1
         self.sink.append({"kind": graph_kind(graph), "ops": dict(sorted(ops.items()))})
 
