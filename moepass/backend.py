@@ -37,15 +37,16 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     log.info("%s", report.summary())
     if config["report_dir"]:
         report.save(config["report_dir"])
-    if not config["inductor"]:
-        return gm.forward  # the custom ops carry their own autograd, so eager training works too
+    if not config["inductor"]:  # the custom ops carry their own autograd, so eager training works too
+        return collect.reporting_runs(gm.forward, record)
     from torch._inductor.compile_fx import compile_fx
 
-    patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(report.compiled),
+    patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(record.compiled),
                      "joint_custom_pre_pass": SaveEPExchanges()}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))
     from .ops.fp8_rowwise_decomp import inductor_decompositions
 
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
-    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions())
+    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions())
+    return collect.reporting_runs(compiled, record)

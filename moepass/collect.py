@@ -26,6 +26,19 @@ def last_report() -> Report | None:
     return _stack[-1] if _stack else _last
 
 
+def reporting_runs(compiled_fn, record):
+    """Wrap a compiled graph so that running it inside `collecting()` adds its record to that report even
+    when Dynamo serves it from its cache without calling the backend (a model compiled earlier)."""
+
+    def run(*args):
+        if _stack:
+            _stack[-1].add_graph(record, replayed=True)
+        return compiled_fn(*args)
+
+    run._boxed_call = getattr(compiled_fn, "_boxed_call", False)  # keep Dynamo's calling convention
+    return run
+
+
 @contextlib.contextmanager
 def collecting(report: Report | None = None):
     """Gather the records of every graph compiled by moepass inside the block."""

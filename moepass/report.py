@@ -63,7 +63,7 @@ class PassRecord:
         self.skipped.append(Skip(self._name(node), module, reason))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class GraphRecord:
     index: int
     code_before: str
@@ -71,6 +71,9 @@ class GraphRecord:
     ops_before: Counter
     ops_after: Counter
     passes: list[PassRecord]
+    # one entry per post-grad graph Inductor compiled from it: {"kind": "forward"|"backward", "ops": {...}}
+    compiled: list[dict] = dataclasses.field(default_factory=list)
+    replayed: bool = False  # run from Dynamo's cache: compiled before the report that holds it began
 
 
 class Report:
@@ -78,12 +81,24 @@ class Report:
         self.config = config or {}
         self.graphs: list[GraphRecord] = []
         self.graph_breaks = 0
-        # one entry per post-grad graph Inductor compiled: {"kind": "forward"|"backward", "ops": {...}}
-        self.compiled: list[dict] = []
+        self._sources: set[int] = set()  # ids of the backend's records already held
 
-    def add_graph(self, record: GraphRecord) -> None:
-        record.index = len(self.graphs)
-        self.graphs.append(record)
+    def add_graph(self, record: GraphRecord, replayed: bool = False) -> None:
+        """Hold one compiled graph's record (a copy: its index is this report's). A graph Dynamo serves
+        from its cache is added when it runs (`replayed`), once."""
+        if id(record) in self._sources:
+            return
+        self._sources.add(id(record))
+        self.graphs.append(dataclasses.replace(record, index=len(self.graphs), replayed=replayed))
+
+    @property
+    def compiled(self) -> list[dict]:
+        """The post-grad graphs Inductor compiled from this report's graphs (forward, then backward when run)."""
+        return [c for g in self.graphs for c in g.compiled]
+
+    @property
+    def replayed(self) -> int:
+        return sum(g.replayed for g in self.graphs)
 
     def pass_totals(self) -> list[PassRecord]:
         """Each pass's records merged over all graphs, in pipeline order."""
@@ -118,6 +133,7 @@ class Report:
                 for p in self.pass_totals()
             ],
             "graphs": len(self.graphs),
+            "replayed_graphs": self.replayed,
             "graph_breaks": self.graph_breaks,
             "ops_before": dict(sorted(self.ops_before().items())),
             "ops_after": dict(sorted(self.ops_after().items())),
@@ -127,7 +143,9 @@ class Report:
 
     def summary(self) -> str:
         """A terminal table: one row per pass, then every skipped node with its reason."""
-        lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s)",
+        replayed = (f" ({self.replayed} served from Dynamo's cache, compiled before this report began; their "
+                    "graph breaks were counted then)") if self.replayed else ""
+        lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){replayed}",
                  f"{'pass':<18} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation"]
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"

@@ -1,0 +1,53 @@
+"""moepass.inspect and collecting(): the report of what ran, also when Dynamo serves a graph from its cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import moepass
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128, dtype=torch.bfloat16), nn.Linear(128, 64, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+X = torch.randn(32, 64, dtype=torch.bfloat16)
+OPTIONS = {"inductor": False}
+
+
+def _linear_pass(report) -> dict:
+    return next(p for p in report.to_dict()["passes"] if p["name"] == "mxfp8_linear")
+
+
+def test_inspect_of_a_model_compiled_before_replays_its_report():
+    torch._dynamo.reset()
+    model = TwoLinears()
+    first = moepass.inspect(model, X, options=OPTIONS)
+    again = moepass.inspect(model, X, options=OPTIONS)  # Dynamo's cache hit: the backend is not called
+    for report in (first, again):
+        assert report.to_dict()["graphs"] == 1 and _linear_pass(report)["replaced"] == 2
+    assert first.replayed == 0 and again.replayed == 1
+    assert "served from Dynamo's cache" in again.summary()
+
+
+def test_another_instance_of_a_compiled_class_reports_the_graph_it_runs():
+    torch._dynamo.reset()
+    torch.compile(TwoLinears(), backend="moepass", options=OPTIONS)(X)
+    report = moepass.inspect(TwoLinears(), X, options=OPTIONS)
+    assert report.to_dict()["graphs"] == 1 and _linear_pass(report)["replaced"] == 2
+
+
+def test_each_graph_counts_once_per_report_however_often_it_runs():
+    torch._dynamo.reset()
+    compiled = torch.compile(TwoLinears(), backend="moepass", options=OPTIONS)
+    with moepass.collecting() as report:
+        for _ in range(3):
+            compiled(X)
+    d = report.to_dict()
+    assert d["graphs"] == 1 and d["replayed_graphs"] == 0 and _linear_pass(report)["replaced"] == 2
