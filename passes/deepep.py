@@ -83,11 +83,12 @@ def _run_scope(gm: fx.GraphModule, config, record) -> None:
 
 def _detail(region: EPRegion, backend: str, kept_counts: bool) -> str:
     x = tensor_meta(region.x)
-    detail = (f"x[{region.num_tokens},{region.hidden}] {str(x.dtype).removeprefix('torch.')}, top-{region.top_k} of "
+    checked_at = f" (checked at T={region.num_tokens})" if region.symbols else ""
+    detail = (f"x[{region.token_count},{tensor_meta(region.x).shape[-1]}] {str(x.dtype).removeprefix('torch.')}, top-{region.top_k} of "
               f"{region.num_experts} experts over {region.group_size} ranks (group {region.group_name!r}), "
               f"weights {region.weights_applied.replace('_', ' ')}, backend={backend}; "
               f"a2a forms {region.token_a2a.form}/{region.combine_a2a.form}; "
-              f"checked on {region.checked_routings} routings")
+              f"checked on {region.checked_routings} routings{checked_at}")
     if kept_counts:
         detail += "; counts all-to-all kept (its split sizes are also used outside the region)"
     return detail
@@ -162,16 +163,15 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     graph = gm.graph
     emit = _Emitter(graph, _fake_mode(region))
     x_meta, sent_meta = tensor_meta(region.x), tensor_meta(region.token_a2a.input)
-    tokens, top_k = region.num_tokens, region.top_k
     with graph.inserting_before(region.token_a2a.node):
         # the ops take [T, K] ids and weights and [T, D] rows; models may hold [B, S, K] and [B, S, D]
-        ids = _as_rows(emit, region.topk_ids, tokens, top_k)
+        ids = _as_rows(emit, region.topk_ids)
         if tensor_meta(ids).dtype != torch.int64:
             ids = emit("to", ids, torch.int64, method=True)
-        weights = _as_rows(emit, region.topk_weights, tokens, top_k)
+        weights = _as_rows(emit, region.topk_weights)
         if tensor_meta(weights).dtype != torch.float32:
             weights = emit("float", weights, method=True)
-        x = _as_rows(emit, region.x, tokens, region.hidden)
+        x = _as_rows(emit, region.x)
         if x_meta.dtype != sent_meta.dtype:  # the original sent rows cast to this dtype
             x = emit("to", x, sent_meta.dtype, method=True)
         dispatched = emit(torch.ops.moepass.ep_dispatch.default, x, ids, weights, region.num_experts,
@@ -211,8 +211,9 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
         combined_dtype = torch.float32 if backend == "reference" else x_meta.dtype
         if tensor_meta(out).dtype != combined_dtype:
             combined = emit("to", combined, tensor_meta(out).dtype, method=True)
-        if tuple(tensor_meta(out).shape) != (tokens, region.hidden):
-            combined = emit("reshape", combined, tuple(tensor_meta(out).shape), method=True)
+        if tensor_meta(out).dim() != 2:  # [B, S, D]: its sizes are x's, static or symbolic (ep_region checks)
+            combined = emit("view_as", combined, region.x, method=True) if _same_shape(out, region.x) \
+                else emit("reshape", combined, tuple(tensor_meta(out).shape), method=True)
     for n in (dispatched, combined):
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in out.meta:
@@ -223,11 +224,16 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     out.replace_all_uses_with(combined)
 
 
-def _as_rows(emit, node: fx.Node, rows: int, width: int) -> fx.Node:
-    """`node` as [rows, width] (a view when it is [B, S, width])."""
-    if tuple(tensor_meta(node).shape) == (rows, width):
-        return node
-    return emit("reshape", node, rows, width, method=True)
+def _as_rows(emit, node: fx.Node) -> fx.Node:
+    """`node` as [rows, width] (a view when it is [B, S, width]; sizes may be symbolic)."""
+    return node if tensor_meta(node).dim() == 2 else emit("flatten", node, 0, -2, method=True)
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    from moepass.analysis.symbols import same, shape_exprs
+
+    sa, sb = shape_exprs(a), shape_exprs(b)
+    return len(sa) == len(sb) and all(map(same, sa, sb))
 
 
 def _anchors(region: EPRegion) -> set[fx.Node]:

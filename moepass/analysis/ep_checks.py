@@ -20,9 +20,11 @@ import math
 import torch
 from torch import fx
 
-from moepass.graph import static_int, tensor_meta
+from moepass.graph import tensor_meta
 from .ep_region import EPRegion, Mismatch, expert_counts_candidates, expert_output_candidates
-from .evaluate import NotEvaluable, backward_slice, evaluate
+from .evaluate import NotEvaluable, backward_slice
+from .evaluate import evaluate as evaluate_at
+from .symbols import concrete, concrete_shape, size_expr
 
 NUM_ROUTINGS = 3
 SEND, RECEIVE, RESULT = 2, 3, 4  # Mismatch stages: how far a reading of the region got (0-1: identification)
@@ -99,12 +101,20 @@ def rows_sample(num_rows: int, width: int, device, seed: int = 2) -> torch.Tenso
     return rows
 
 
-def leaf(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
-    """`value` in the node's shape (when static), dtype and device."""
-    t = tensor_meta(node)
-    if all(isinstance(s, int) for s in t.shape) and tuple(value.shape) != tuple(t.shape):
-        value = value.reshape(tuple(t.shape))
+def leaf(node: fx.Node, value: torch.Tensor, symbols: dict | None = None) -> torch.Tensor:
+    """`value` in the node's shape (when it has one under `symbols`), dtype and device."""
+    t, shape = tensor_meta(node), concrete_shape(node, symbols or {})
+    if shape is not None and tuple(value.shape) != shape:
+        value = value.reshape(shape)
     return value.to(dtype=t.dtype, device=t.device)
+
+
+def _leaves(region: EPRegion, values: dict) -> dict:
+    return {node: leaf(node, value, region.symbols) for node, value in values.items()}
+
+
+def _evaluate(region: EPRegion, gm, outputs, leaves, **kwargs) -> list:
+    return evaluate_at(gm, outputs, leaves, symbols=region.symbols, **kwargs)
 
 
 def _host(v) -> torch.Tensor:
@@ -135,11 +145,10 @@ def _check_send_side(gm, region: EPRegion) -> list[torch.Tensor]:
     weights_applied, slots = None, []
     for i, ids in enumerate(routings(num_tokens, top_k, region.num_experts, device)):
         w = weights_sample(num_tokens, top_k, i, device)
-        leaves = {region.topk_ids: leaf(region.topk_ids, ids), region.topk_weights: leaf(region.topk_weights, w),
-                  region.x: leaf(region.x, x)}
+        leaves = _leaves(region, {region.topk_ids: ids, region.topk_weights: w, region.x: x})
         try:
-            (sent_counts,) = evaluate(gm, [counts.input], leaves, observe_at=counts.node)
-            sent, *splits = evaluate(gm, [tok.input, *split_nodes], leaves, observe_at=tok.node)
+            (sent_counts,) = _evaluate(region, gm, [counts.input], leaves, observe_at=counts.node)
+            sent, *splits = _evaluate(region, gm, [tok.input, *split_nodes], leaves, observe_at=tok.node)
         except NotEvaluable as e:
             raise Mismatch(tok.node, f"rows or counts sent are not computed from x, expert ids and weights alone: {e}",
                            stage=SEND)
@@ -197,7 +206,7 @@ def _check_receive_side(gm, region: EPRegion) -> None:
     region.expert_counts."""
     tok, counts = region.token_a2a, region.counts_a2a
     local, device = region.num_local_experts, _device(region)
-    width = static_int(tensor_meta(tok.result).shape[1])
+    width = concrete(size_expr(tensor_meta(tok.result).shape[1]), region.symbols)
     out_split_nodes = [s for s in tok.output_splits if isinstance(s, fx.Node)]
     samples = []
     for received in received_counts(region.group_size, local):
@@ -206,9 +215,10 @@ def _check_receive_side(gm, region: EPRegion) -> None:
             raise Mismatch(tok.node, f"received rows of width {width} are too narrow to check the expert-major order",
                            stage=RECEIVE)
         rows = x_sample(num_rows, width, device)  # row j carries j in its digits
-        leaves = {counts.result: leaf(counts.result, received), tok.result: leaf(tok.result, rows)}
+        leaves = _leaves(region, {counts.result: received, tok.result: rows})
         try:
-            grouped, *splits = evaluate(gm, [region.expert_input, *out_split_nodes], leaves, forbidden={counts.node})
+            grouped, *splits = _evaluate(region, gm, [region.expert_input, *out_split_nodes], leaves,
+                                         forbidden={counts.node})
         except NotEvaluable as e:
             raise Mismatch(tok.node, f"the experts' input is not computed from the received rows and counts alone: {e}",
                            stage=RECEIVE)
@@ -247,7 +257,7 @@ def _row_permutation(grouped, rows) -> torch.Tensor | None:
 def _pick_expert_output(gm, region: EPRegion, samples) -> fx.Node:
     """The latest row tensor y such that the rows sent back are y un-permuted: sent_back[perm] == y."""
     comb = region.combine_a2a
-    width = static_int(tensor_meta(comb.input).shape[1])
+    width = concrete(size_expr(tensor_meta(comb.input).shape[1]), region.symbols)
     for y in expert_output_candidates(region):
         try:
             if all(_unpermutes(gm, region, y, leaves, perm, width) for _, leaves, perm in samples):
@@ -260,8 +270,9 @@ def _pick_expert_output(gm, region: EPRegion, samples) -> fx.Node:
 
 def _unpermutes(gm, region: EPRegion, y: fx.Node, leaves: dict, perm: torch.Tensor, width: int) -> bool:
     y_value = rows_sample(len(perm), width, _device(region))
-    (sent_back,) = evaluate(gm, [region.combine_a2a.input], {**leaves, y: leaf(y, y_value)},
-                            forbidden={region.counts_a2a.node, region.expert_input}, observe_at=region.combine_a2a.node)
+    (sent_back,) = _evaluate(region, gm, [region.combine_a2a.input], {**leaves, **_leaves(region, {y: y_value})},
+                             forbidden={region.counts_a2a.node, region.expert_input},
+                             observe_at=region.combine_a2a.node)
     sent_back = _host(sent_back).float()
     return tuple(sent_back.shape) == (len(perm), width) and torch.equal(sent_back[perm], _host(y_value))
 
@@ -273,7 +284,7 @@ def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node:
     for c in candidates:
         try:
             for s in group_inputs:
-                backward_slice([s], {c}, forbidden={counts.result, tok.result})
+                backward_slice([s], {c}, forbidden={counts.result, tok.result}, symbols=region.symbols)
             if all(_counts_per_local_expert(gm, region, c, received) for received, _, _ in samples):
                 return c
         except NotEvaluable:
@@ -284,7 +295,7 @@ def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node:
 
 def _counts_per_local_expert(gm, region: EPRegion, node: fx.Node, received: torch.Tensor) -> bool:
     counts = region.counts_a2a
-    (value,) = evaluate(gm, [node], {counts.result: leaf(counts.result, received)})
+    (value,) = _evaluate(region, gm, [node], _leaves(region, {counts.result: received}))
     return torch.equal(_host(value).long(), received.view(region.group_size, -1).sum(0))
 
 
@@ -295,15 +306,14 @@ def _check_tokens_out(gm, region: EPRegion, slots: list[torch.Tensor]) -> None:
     """The result is sum_k weight * returned row (weights after experts) or sum_k returned row."""
     comb = region.combine_a2a
     device, num_tokens, top_k = _device(region), region.num_tokens, region.top_k
-    width = tensor_meta(comb.input).shape[1]
+    width = concrete(size_expr(tensor_meta(comb.input).shape[1]), region.symbols)
     x = x_sample(num_tokens, region.hidden, device)
     for i, ids in enumerate(routings(num_tokens, top_k, region.num_experts, device)):
         w = weights_sample(num_tokens, top_k, i, device)
         returned = _small_integers(num_tokens * top_k, width, 100 + i, device)
-        leaves = {region.topk_ids: leaf(region.topk_ids, ids), region.topk_weights: leaf(region.topk_weights, w),
-                  region.x: leaf(region.x, x), comb.result: leaf(comb.result, returned)}
+        leaves = _leaves(region, {region.topk_ids: ids, region.topk_weights: w, region.x: x, comb.result: returned})
         try:
-            (out,) = evaluate(gm, [region.tokens_out], leaves)
+            (out,) = _evaluate(region, gm, [region.tokens_out], leaves)
         except NotEvaluable as e:
             raise Mismatch(comb.node, f"result is not computed from the returned rows, ids and weights alone: {e}",
                            stage=RESULT)

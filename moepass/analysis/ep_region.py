@@ -27,10 +27,11 @@ import torch
 from torch import fx
 
 from moepass.graph import (ancestors, between, data_inputs, data_users, example_value, graph_order, is_guard,
-                           later_values, module_path, nearest_ancestors, is_unused, static_int, static_shape, tensor_meta,
-                           written_buffer)
+                           is_unused, later_values, module_path, nearest_ancestors, static_int, static_shape,
+                           tensor_meta, written_buffer)
 from .collectives import AllToAll, find_all_to_alls
 from .evaluate import NotEvaluable, backward_slice
+from .symbols import concrete, example_sizes, numel_expr, same, sample_bindings, shape_exprs, size_expr
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 _MAX_RESULT_CANDIDATES = 8  # [T, D] values after the combine tried as the region's result, in graph order
@@ -49,9 +50,9 @@ class EPRegion:
     x: fx.Node  # token rows before routing: T rows of D in all ([T, D] or [B, S, D])
     topk_ids: fx.Node  # global expert ids, [..., K] with T rows in all
     topk_weights: fx.Node | None  # routing weights, shaped like topk_ids
-    num_tokens: int
+    num_tokens: int  # T as checked: the graph's own, or a small one when T is symbolic (see `symbols`)
     top_k: int
-    hidden: int
+    hidden: int  # D as checked
     num_experts: int
     group_size: int
     group_name: str
@@ -61,6 +62,8 @@ class EPRegion:
     tokens_out: fx.Node | None  # sum over each token's K expert rows (weighted or not), T rows of D
     weights_applied: str = ""  # "before_experts" or "after_experts"
     checked_routings: int = 0
+    token_count: object = None  # T as the graph holds it: an int, or an expression of size symbols
+    symbols: dict = dataclasses.field(default_factory=dict)  # size symbol -> the value the checks used
 
     @property
     def num_local_experts(self) -> int:
@@ -159,12 +162,13 @@ def _index_meta(node) -> torch.Tensor | None:
     return t if t is not None and t.dtype in _INDEX_DTYPES else None
 
 
-def token_rows(node, rows: int, width: int, floating: bool = True) -> bool:
-    """`node` holds `rows` token rows of `width` values: [rows, width], or [B, S, width] with B * S == rows."""
-    t = tensor_meta(node)
-    shape = static_shape(t)
-    return shape is not None and len(shape) >= 2 and shape[-1] == width and math.prod(shape[:-1]) == rows \
-        and t.is_floating_point() == floating
+def token_rows(node, rows, width, floating: bool = True) -> bool:
+    """`node` holds `rows` token rows of `width` values: [rows, width], or [B, S, width] with B * S == rows
+    (sizes as ints or expressions of the graph's size symbols)."""
+    t, shape = tensor_meta(node), shape_exprs(node)
+    return shape is not None and len(shape) >= 2 and t.is_floating_point() == floating \
+        and same(shape[-1], size_expr(width) if isinstance(width, int) else width) \
+        and same(numel_expr(shape[:-1]), size_expr(rows) if isinstance(rows, int) else rows)
 
 
 _MAX_IDS_CANDIDATES = 3  # integer tensors tried as the top-k ids, nearest to the counts first
@@ -211,7 +215,7 @@ def _ids_candidates(counts: AllToAll, tok: AllToAll, boundary: set[fx.Node]) -> 
 
     def is_ids(n):
         t = _index_meta(n)
-        return n in sent_upstream and t is not None and t.dim() >= 2 and static_shape(t) is not None
+        return n in sent_upstream and t is not None and t.dim() >= 2 and static_int(t.shape[-1]) is not None
 
     found, seen, frontier = [], {counts.input}, [counts.input]
     while frontier and len(found) < _MAX_IDS_CANDIDATES:  # breadth-first, expanding past accepted nodes too
@@ -233,37 +237,44 @@ def identify_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundar
     they compute)."""
     order = graph_order(gm.graph)
     num_ranks = len(tok.input_splits)
-    ids_shape = static_shape(tensor_meta(ids))
-    top_k, num_tokens = ids_shape[-1], math.prod(ids_shape[:-1])
-    sent_shape = tensor_meta(tok.input).shape
-    hidden = static_int(sent_shape[1])
-    if hidden is None:
-        raise Mismatch(tok.node, "sent rows have a dynamic width; only static shapes are checked")
+    ids_shape = shape_exprs(ids)
+    top_k, tokens = static_int(tensor_meta(ids).shape[-1]), numel_expr(ids_shape[:-1])
+    hidden = size_expr(tensor_meta(tok.input).shape[1])
 
     def before_tokens_sent(n):
         return order[n] < order[tok.node]
 
     def is_weights(n):
-        return token_rows(n, num_tokens, top_k) and before_tokens_sent(n)
+        return token_rows(n, tokens, top_k) and before_tokens_sent(n)
 
     # weights applied to the sent rows come first: the router path behind them also reaches x. The search
     # stops at token rows (x and anything like it), behind which lie earlier layers' weights
-    token_like = {n for n in ancestors(tok.input, boundary) if token_rows(n, num_tokens, hidden)}
+    token_like = {n for n in ancestors(tok.input, boundary) if token_rows(n, tokens, hidden)}
     weights_pre = set(nearest_ancestors(tok.input, is_weights, stop=[ids, *token_like]))
 
     def is_x(n):
-        return token_rows(n, num_tokens, hidden) and before_tokens_sent(n) \
-            and ids not in ancestors(n, boundary | {ids})
+        return token_rows(n, tokens, hidden) and before_tokens_sent(n) and ids not in ancestors(n, boundary | {ids})
 
     x = nearest_ancestors(tok.input, is_x, stop=[ids, *weights_pre])
     if len(x) != 1:
-        raise Mismatch(tok.node, f"could not find the token rows x [{num_tokens}, {hidden}] "
+        raise Mismatch(tok.node, f"could not find the token rows x [{tokens}, {hidden}] "
                                  f"the sent rows are gathered from (found {len(x)} candidates)")
     x = x[0]
-    region = EPRegion(module_path(tok.node), counts, tok, comb, x, ids, None, num_tokens, top_k, hidden,
-                      num_experts, num_ranks, tok.group_name, _expert_input(tok, counts, comb), None, None, None)
-    region.tokens_out, region.topk_weights = _find_tokens_out(region, weights_pre, is_weights)
+    symbols = sample_bindings(tokens, tok.input)
+    try:
+        num_tokens, width = concrete(tokens, symbols), concrete(hidden, symbols)
+    except ValueError as e:
+        raise Mismatch(tok.node, f"token count or hidden size cannot be sampled: {e}")
+    region = EPRegion(module_path(tok.node), counts, tok, comb, x, ids, None, num_tokens, top_k, width,
+                      num_experts, num_ranks, tok.group_name, _expert_input(tok, counts, comb), None, None, None,
+                      token_count=tokens, symbols=symbols)
+    region.tokens_out, region.topk_weights = _find_tokens_out(region, weights_pre, is_weights, hidden)
     region.module = module_path(region.tokens_out) or region.module
+    out_shape = shape_exprs(region.tokens_out)
+    if symbols and len(out_shape) != 2 and not (len(out_shape) == len(shape_exprs(x))
+                                                and all(map(same, out_shape, shape_exprs(x)))):
+        raise Mismatch(region.tokens_out, f"result shaped {list(out_shape)} with a dynamic token count is neither "
+                                          "[T, D] nor shaped like x")
     return region
 
 
@@ -272,19 +283,18 @@ def _describe(node) -> str:
     return "a non-tensor" if t is None else f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-def _find_tokens_out(region: EPRegion, weights_pre: set[fx.Node], is_weights) -> tuple[fx.Node, fx.Node]:
+def _find_tokens_out(region: EPRegion, weights_pre: set[fx.Node], is_weights, hidden) -> tuple[fx.Node, fx.Node]:
     """The first T x D value after the combine computable from (returned rows, ids, x, one weight tensor)
     alone and used only outside the region, and that weight tensor."""
     comb, ids, x, tok = region.combine_a2a, region.topk_ids, region.x, region.token_a2a
-    hidden = static_int(tensor_meta(comb.input).shape[1])
     escapes = []
-    for n in later_values(comb.result, comb.node, lambda n: token_rows(n, region.num_tokens, hidden),
+    for n in later_values(comb.result, comb.node, lambda n: token_rows(n, region.token_count, hidden),
                           _MAX_RESULT_CANDIDATES):
         weights = weights_pre | set(nearest_ancestors(n, is_weights, stop=[ids, x, comb.result]))
         if len(weights) != 1:
             continue
         try:
-            backward_slice([n], {comb.result, ids, x, *weights})
+            backward_slice([n], {comb.result, ids, x, *weights}, symbols=region.symbols)
         except NotEvaluable:
             continue
         (weights,) = weights
@@ -294,7 +304,7 @@ def _find_tokens_out(region: EPRegion, weights_pre: set[fx.Node], is_weights) ->
         escapes.append(escape)
     if escapes:
         raise Mismatch(tok.node, escapes[0], stage=1)
-    raise Mismatch(comb.node, f"no [{region.num_tokens}, {hidden}] result computed from the returned rows, expert "
+    raise Mismatch(comb.node, f"no [{region.token_count}, {hidden}] result computed from the returned rows, expert "
                               "ids and one routing-weight tensor")
 
 
@@ -340,7 +350,7 @@ def _expert_input(tok: AllToAll, counts: AllToAll, comb: AllToAll) -> fx.Node:
 
 def _computable_from(node: fx.Node, leaves: set[fx.Node]) -> bool:
     try:
-        backward_slice([node], leaves)
+        backward_slice([node], leaves, symbols=example_sizes(node))  # computable at any size
     except NotEvaluable:
         return False
     return True
@@ -372,12 +382,12 @@ def expert_output_candidates(region: EPRegion) -> list[fx.Node]:
     """Row tensors between the experts' input and the rows sent back, latest first: one of them is the
     experts' output that the rows sent back un-permute (ep_checks decides which by evaluation)."""
     comb, expert_input = region.combine_a2a, region.expert_input
-    width = static_int(tensor_meta(comb.input).shape[1])
+    width = size_expr(tensor_meta(comb.input).shape[1])
     received = {region.token_a2a.result, region.counts_a2a.result}
     inner = between({expert_input}, comb.input, stop=received) - {comb.input}
     order = graph_order(comb.node.graph)
-    rows = [n for n in inner if (t := tensor_meta(n)) is not None and t.dim() == 2 and static_int(t.shape[1]) == width
-            and t.is_floating_point() and written_buffer(n) is None]
+    rows = [n for n in inner if (t := tensor_meta(n)) is not None and t.dim() == 2 and t.is_floating_point()
+            and same(size_expr(t.shape[1]), width) and written_buffer(n) is None]
     if not rows:
         raise Mismatch(comb.node, "the rows sent back are not computed from the expert-major received rows")
     return sorted(rows, key=order.__getitem__, reverse=True)[:_MAX_EXPERT_OUTPUT_CANDIDATES]

@@ -18,6 +18,7 @@ from torch.fx.node import map_arg
 
 from moepass.graph import graph_order, tensor_meta, written_buffer
 from .collectives import is_autograd_function, is_collective
+from .symbols import bound_symint, concrete_shape
 
 _LIKE_FUNCTIONS = {torch.zeros_like, torch.empty_like, torch.ones_like, torch.full_like, torch.rand_like,
                    torch.randn_like}
@@ -43,24 +44,21 @@ def _reads_only_metadata(user: fx.Node, producer: fx.Node) -> bool:
     return False
 
 
-def _stand_in(node: fx.Node, device) -> torch.Tensor:
+def _stand_in(node: fx.Node, device, symbols: dict) -> torch.Tensor:
     t = tensor_meta(node)
-    return torch.empty(tuple(t.shape), dtype=t.dtype, device=device if device is not None else t.device)
-
-
-def _static(node: fx.Node) -> bool:
-    t = tensor_meta(node)
-    return t is not None and all(isinstance(s, int) for s in t.shape)
+    return torch.empty(concrete_shape(node, symbols), dtype=t.dtype, device=device if device is not None else t.device)
 
 
 def backward_slice(outputs: list[fx.Node], leaves: Iterable[fx.Node], forbidden: Iterable[fx.Node] = (),
-                   observe_at: fx.Node | None = None) -> tuple[list[fx.Node], set[fx.Node]]:
+                   observe_at: fx.Node | None = None, symbols: dict | None = None
+                   ) -> tuple[list[fx.Node], set[fx.Node]]:
     """(nodes in graph order that compute `outputs` from `leaves`, nodes needed only for their metadata).
 
     Values are taken as seen by `observe_at` (default: the last output): in-place writes into a buffer
-    made before that point are part of its value, later ones are not.
+    made before that point are part of its value, later ones are not. SymInt graph inputs (`s77`) are
+    leaves too when `symbols` gives their value.
     """
-    leaves, forbidden = set(leaves), set(forbidden)
+    leaves, forbidden, symbols = set(leaves), set(forbidden), symbols or {}
     order = graph_order(outputs[0].graph)
     last = order[observe_at] if observe_at is not None else max(order[o] for o in outputs)
     needed, shape_only, frontier = set(), set(), list(outputs)
@@ -70,12 +68,15 @@ def backward_slice(outputs: list[fx.Node], leaves: Iterable[fx.Node], forbidden:
             continue
         if n in forbidden:
             raise NotEvaluable(f"depends on {n.name}")
+        if n.op == "placeholder" and bound_symint(n, symbols) is not None:
+            needed.add(n)
+            continue
         if n.op in ("placeholder", "call_module") or is_collective(n) or is_autograd_function(n) \
                 or isinstance(n.target, torch._ops.HigherOrderOperator):
             raise NotEvaluable(f"depends on {n.name} ({n.op} {n.target})")
         needed.add(n)
         for a in n.all_input_nodes:
-            if _reads_only_metadata(n, a) and _static(a):
+            if _reads_only_metadata(n, a) and concrete_shape(a, symbols) is not None:
                 shape_only.add(a)
             else:
                 frontier.append(a)
@@ -84,18 +85,21 @@ def backward_slice(outputs: list[fx.Node], leaves: Iterable[fx.Node], forbidden:
 
 
 def evaluate(gm: fx.GraphModule, outputs: list[fx.Node], leaf_values: dict, forbidden: Iterable[fx.Node] = (),
-             observe_at: fx.Node | None = None) -> list:
-    """Run the slice of the graph that computes `outputs` (as `observe_at` sees them) from concrete leaf values."""
-    env = dict(leaf_values)
-    nodes, shape_only = backward_slice(outputs, leaf_values, forbidden, observe_at)
+             observe_at: fx.Node | None = None, symbols: dict | None = None) -> list:
+    """Run the slice of the graph that computes `outputs` (as `observe_at` sees them) from concrete leaf values,
+    with the graph's size symbols bound to `symbols` (moepass.analysis.symbols)."""
+    env, symbols = dict(leaf_values), symbols or {}
+    nodes, shape_only = backward_slice(outputs, leaf_values, forbidden, observe_at, symbols)
     device = next((v.device for v in leaf_values.values() if isinstance(v, torch.Tensor)), None)
     for n in shape_only:
-        env[n] = _stand_in(n, device)
+        env[n] = _stand_in(n, device, symbols)
     with torch.no_grad():
         for n in nodes:
             args, kwargs = map_arg((n.args, n.kwargs), env.__getitem__)
             try:
-                if n.op == "get_attr":
+                if n.op == "placeholder":
+                    value = bound_symint(n, symbols)
+                elif n.op == "get_attr":
                     value = operator.attrgetter(n.target)(gm)
                 elif n.op == "call_method":
                     value = getattr(args[0], n.target)(*args[1:], **kwargs)
