@@ -29,7 +29,9 @@ SUMMARY = ("BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear or fp8_row
            "router gate and output head stay BF16")
 log = logging.getLogger(__name__)
 
-_TOPK = {torch.topk, torch.ops.aten.topk, torch.ops.aten.topk.default}
+# ops that pick experts: the router is the linear whose scores reach one of these before any GEMM
+_ALWAYS_SELECTING = {"topk", "argsort", "argmax", "argmin", "nonzero", "argwhere", "multinomial"}
+_SELECTING_WITH_INDICES = {"max", "min", "sort", "kthvalue", "mode"}  # when their indices output is used
 _ADD = {operator.add, operator.iadd, torch.add}
 _TRANSPOSES = {"t", "transpose", "permute", "T"}
 
@@ -65,8 +67,23 @@ def _untransposed_weight(node) -> fx.Node | None:
     return w
 
 
-def _is_topk(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in _TOPK) or (n.op == "call_method" and n.target == "topk")
+def _op_short_name(n: fx.Node) -> str | None:
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", None) or getattr(n.target, "_opname", None)
+        return name.split(".")[0] if isinstance(name, str) else None
+    return None
+
+
+def _selects_experts(n: fx.Node) -> bool:
+    """top-k, arg-max, sort indices, threshold masks turned into indices (PhiMoE's sparsemixer uses max)."""
+    name = _op_short_name(n)
+    if name in _ALWAYS_SELECTING:
+        return True
+    if name in _SELECTING_WITH_INDICES:
+        return any(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 1 for u in n.users)
+    return False
 
 
 def _is_residual_add(n: fx.Node, numel: int) -> bool:
@@ -77,7 +94,7 @@ def _is_residual_add(n: fx.Node, numel: int) -> bool:
 
 def _role(g, node: fx.Node, top: fx.Graph) -> str | None:
     downstream = reaches(g, node, stop_at=is_gemm)
-    if any(_is_topk(n) for n in downstream):
+    if any(_selects_experts(n) for n in downstream):
         return "router"
     out = example_value(node)
     numel = out.numel() if isinstance(out, torch.Tensor) else 0
@@ -112,7 +129,8 @@ def _scope_linears(scope: Scope, g, top: fx.Graph) -> list[LinearMatch]:
 
 def _problem(m: LinearMatch, config) -> str | None:
     if m.role == "router" and config["mxfp8.keep_router_bf16"]:
-        return "router gate: its output feeds top-k expert selection (kept BF16; mxfp8.keep_router_bf16)"
+        return ("router gate: its output feeds expert selection (top-k, arg-max, sort) "
+                "(kept BF16; mxfp8.keep_router_bf16)")
     if m.role == "output_head" and config["mxfp8.keep_output_head_bf16"]:
         return ("output head (vocabulary projection): no GEMM or residual add after it "
                 "(kept BF16; mxfp8.keep_output_head_bf16)")

@@ -45,3 +45,42 @@ def test_roles_router_head_and_plain(dynamo_graphs):
 def test_no_linears_in_pure_elementwise_graph(dynamo_graphs):
     graphs = dynamo_graphs(lambda x: torch.relu(x) * 2, torch.randn(4, 4))
     assert find_linears(graphs[0]) == []
+
+
+class SparseMixerRouter(nn.Module):
+    """PhiMoE's sparsemixer: expert choice by max and a threshold mask, no top-k; 32 experts (N % 32 == 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(64, 32, bias=False)
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        scores = self.gate(x)
+        with torch.no_grad():
+            threshold, best = scores.max(dim=-1, keepdim=True)
+            factor = scores.abs().clamp(min=threshold)
+            mask = ((threshold - scores) / factor) > 0.02
+        masked = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        weight = masked.gather(-1, best)
+        return x + self.proj(x) * weight
+
+
+def test_router_found_by_what_its_scores_feed_not_by_topk(dynamo_graphs):
+    roles, _ = _roles(dynamo_graphs(SparseMixerRouter().bfloat16(), torch.randn(2, 16, 64, dtype=torch.bfloat16)))
+    assert roles == {"gate": "router", "proj": None}
+
+
+def test_max_used_for_values_only_does_not_make_a_router(dynamo_graphs):
+    """A max over a linear's output whose indices nobody reads is a normalisation, not expert selection."""
+    class MaxNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):
+            y = self.proj(x)
+            return x + y / y.abs().max(dim=-1, keepdim=True).values
+
+    roles, _ = _roles(dynamo_graphs(MaxNorm().bfloat16(), torch.randn(2, 16, 64, dtype=torch.bfloat16)))
+    assert roles == {"proj": None}
