@@ -20,9 +20,9 @@ import math
 import torch
 from torch import fx
 
-from moepass.graph import tensor_meta
+from moepass.graph import ancestors, tensor_meta
 from .ep_region import EPRegion, Mismatch, expert_counts_candidates, expert_output_candidates
-from .evaluate import NotEvaluable, backward_slice
+from .evaluate import NotEvaluable
 from .evaluate import evaluate as evaluate_at
 from .symbols import concrete, concrete_shape, size_expr
 
@@ -281,14 +281,22 @@ def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node:
     """The one node through which the received counts reach the experts: rows per local expert."""
     tok, counts = region.token_a2a, region.counts_a2a
     candidates, group_inputs = expert_counts_candidates(region)
+    split_nodes = {n for n in tok.output_splits if isinstance(n, fx.Node)}
+    received = {counts.result, tok.result, *split_nodes}
     for c in candidates:
+        # the experts' other inputs may mix the group sizes with parameters, but see the received data only
+        # through c (the rewrite gives them its own counts in c's place)
+        if any(received & ancestors(s, stop={c}) for s in group_inputs):
+            continue
         try:
-            for s in group_inputs:
-                backward_slice([s], {c}, forbidden={counts.result, tok.result}, symbols=region.symbols)
-            if all(_counts_per_local_expert(gm, region, c, received) for received, _, _ in samples):
+            if all(_counts_per_local_expert(gm, region, c, sample) for sample, _, _ in samples):
                 return c
         except NotEvaluable:
             continue
+    if any(split_nodes & ancestors(s, stop=split_nodes) for s in group_inputs):
+        raise Mismatch(tok.node, "the experts read the received row count, which Dynamo traced as the sum of the "
+                                 "output split sizes: the DeepEP rewrite cannot supply that value; derive it from "
+                                 "the group sizes instead (int(group_sizes.sum()))", stage=RECEIVE)
     raise Mismatch(tok.node, "the experts' group sizes are not the received rows per local expert "
                              "(padded, or not only derived from the received counts)", stage=RECEIVE)
 

@@ -322,11 +322,15 @@ def result_readers(tokens_out: fx.Node) -> list[fx.Node]:
 def _escape(tok: AllToAll, tokens_out: fx.Node, stop: set[fx.Node]) -> str | None:
     """Why a value between the token all-to-all and the result is used outside the region (None: it is not)."""
     inner = between({tok.node}, tokens_out, stop) - {tokens_out}
-    allowed = set(result_readers(tokens_out)) | {tokens_out}
+    buffer = written_buffer(tokens_out)  # an in-place result: the buffer's later readers read the result
+    buffer_readers = set(result_readers(tokens_out)) - set(tokens_out.users)
     for n in inner:
         for u in n.users:
-            only_guarded = tensor_meta(u) is None and not u.users.keys() - {g for g in u.users if is_guard(g)}
-            if u in inner or u in allowed or is_guard(u) or only_guarded or is_unused(u):
+            # a host scalar read only by runtime guards (the graph's output is a real use)
+            only_guarded = u.op != "output" and tensor_meta(u) is None and bool(u.users) \
+                and not u.users.keys() - {g for g in u.users if is_guard(g)}
+            reads_result = u is tokens_out or (n is buffer and u in buffer_readers)
+            if u in inner or reads_result or is_guard(u) or only_guarded or is_unused(u):
                 continue
             return f"{n.name} (inside the EP region) is also used by {u.name}, outside it"
     return None
@@ -390,7 +394,8 @@ def expert_output_candidates(region: EPRegion) -> list[fx.Node]:
             and same(size_expr(t.shape[1]), width) and written_buffer(n) is None]
     if not rows:
         raise Mismatch(comb.node, "the rows sent back are not computed from the expert-major received rows")
-    return sorted(rows, key=order.__getitem__, reverse=True)[:_MAX_EXPERT_OUTPUT_CANDIDATES]
+    # last, the rows sent back themselves: with one expert per rank the received order is already expert-major
+    return sorted(rows, key=order.__getitem__, reverse=True)[:_MAX_EXPERT_OUTPUT_CANDIDATES] + [comb.input]
 
 
 def expert_counts_candidates(region: EPRegion) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -30,8 +30,14 @@ class NotEvaluable(Exception):
     """A subgraph that cannot be computed from the given leaves alone."""
 
 
+_LIKE_OTHER_METHODS = {"reshape_as", "view_as", "expand_as", "type_as"}  # read the *other* tensor's metadata
+
+
 def _reads_only_metadata(user: fx.Node, producer: fx.Node) -> bool:
     """`user` needs `producer` only for its shape, dtype and device."""
+    if user.op == "call_method" and user.target in _LIKE_OTHER_METHODS and len(user.args) == 2 \
+            and user.args[1] is producer and user.args[0] is not producer:
+        return True
     if not user.args or user.args[0] is not producer or producer in user.args[1:] \
             or producer in user.kwargs.values():
         return False
