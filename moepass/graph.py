@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from .module_paths import WRAPPER_ATTRS, resolve
+
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
 _MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.ops.aten.mm, torch.ops.aten.mm.default,
                    torch.ops.aten.matmul, torch.ops.aten.matmul.default}
@@ -70,8 +72,6 @@ _DICT_ACCESS = re.compile(r"(?:^|\.)__dict__\[['\"]_(?:modules|parameters|buffer
 # (torchtitan's forward_with_redistribution) or bound as a default argument; its __self__ is that module
 _BOUND_METHOD = re.compile(r"\.[A-Za-z_]\w*(?:\.__closure__\.\d+\.cell_contents|\.__kwdefaults__\.\w+|"
                            r"\.__defaults__\.\d+|\.__wrapped__)+\.__self__(?=\.|$)")
-# wrappers whose own state_dict hooks drop their attribute name (torch.compile, checkpoint_wrapper, FSDP1)
-_WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def normalize_module_path(raw: str) -> str:
@@ -85,17 +85,20 @@ def normalize_module_path(raw: str) -> str:
     path = _DICT_ACCESS.sub(".", path)
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
     path = _BOUND_METHOD.sub("", "." + path.lstrip("."))
-    parts = [p for p in path.split(".") if p and p not in _WRAPPER_ATTRS]
+    parts = [p for p in path.split(".") if p and p not in WRAPPER_ATTRS]
     return ".".join(parts)
 
 
 def module_path(node: fx.Node) -> str:
-    """Module path of the innermost nn.Module that issued the node ('' at top level)."""
+    """Module path of the innermost nn.Module that issued the node ('' at top level): its full state_dict
+    path when the live module is found (inside a backend call; see moepass.module_paths), else the path
+    Dynamo recorded, relative to the compiled frame."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    raw = list(stack.values())[-1][0]
-    return normalize_module_path(raw)
+    key, (raw, _) = list(stack.items())[-1]
+    full = resolve(key)
+    return full if full is not None else normalize_module_path(raw)
 
 
 def module_type(node: fx.Node) -> str:

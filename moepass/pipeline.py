@@ -13,6 +13,7 @@ import time
 
 from torch import fx
 
+from . import module_paths
 from .analysis.scopes import graph_scopes
 from .graph import op_histogram
 from .options import PIPELINE, Config
@@ -37,6 +38,11 @@ def graph_code(gm: fx.GraphModule) -> str:
 
 def run_pipeline(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRecord:
     """Rewrite `gm` (and the HOP bodies in it) in place with every enabled pass; return what happened."""
+    with module_paths.indexing():  # full module paths, also for graphs of a frame resumed after a break
+        return _run_passes(gm, example_inputs, config)
+
+
+def _run_passes(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRecord:
     code_before = graph_code(gm)
     ops_before = op_histogram(gm)
     records, code_after = [], {}

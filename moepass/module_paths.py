@@ -1,0 +1,79 @@
+"""Full `state_dict` paths of the modules a graph's nodes came from, also after a graph break.
+
+Dynamo records each node's enclosing modules as `nn_module_stack: {key: (path, class)}`, the path
+relative to the compiled frame's local (`L['self'].gate`). After a graph break the resumed frame's
+local is an inner module, so every MoE layer reports the same `gate`, and include/exclude globs
+written for full paths stop matching. The key is `str(id(module))` (Dynamo's inlined modules), so
+while a graph is being rewritten the module itself is alive: this index finds it among the live
+modules and climbs its parents to the top module, giving the path a `state_dict` of that model uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import gc
+
+from torch import nn
+
+_current: contextvars.ContextVar[ModuleIndex | None] = contextvars.ContextVar("moepass_module_index", default=None)
+# wrappers whose own state_dict hooks drop their attribute name (torch.compile, checkpoint_wrapper, FSDP1)
+WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+class ModuleIndex:
+    """Live modules by id and their parents, gathered once (about 0.1 s) on first use."""
+
+    def __init__(self):
+        self._modules: dict[int, nn.Module] | None = None
+        self._parents: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._paths: dict[int, str | None] = {}
+
+    def _scan(self) -> None:
+        # type(), not isinstance: a dead weakref proxy among the objects raises on __class__
+        self._modules = {id(o): o for o in gc.get_objects() if issubclass(type(o), nn.Module)}
+        for module in self._modules.values():
+            for name, child in module._modules.items():
+                if child is not None:
+                    self._parents.setdefault(id(child), []).append((module, name))
+
+    def path(self, key: str) -> str | None:
+        """The module's path from the top of its model, or None (not a live module, or owned twice)."""
+        try:
+            module_id = int(key.split("@")[0])
+        except ValueError:
+            return None  # a named key (specialised module): the recorded path is all there is
+        if module_id not in self._paths:
+            if self._modules is None:
+                self._scan()
+            self._paths[module_id] = self._climb(module_id) if module_id in self._modules else None
+        return self._paths[module_id]
+
+    def _climb(self, module_id: int) -> str | None:
+        parts, seen = [], {module_id}
+        while module_id in self._parents:
+            owners = self._parents[module_id]
+            if len(owners) != 1:
+                return None  # a module registered in two places: its path is ambiguous
+            parent, name = owners[0]
+            parts.append(name)
+            module_id = id(parent)
+            if module_id in seen:
+                return None
+            seen.add(module_id)
+        return ".".join(p for p in reversed(parts) if p not in WRAPPER_ATTRS)
+
+
+@contextlib.contextmanager
+def indexing():
+    """Resolve module paths through the live modules while the block runs (one backend call)."""
+    token = _current.set(ModuleIndex())
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def resolve(key: str) -> str | None:
+    index = _current.get()
+    return index.path(key) if index is not None else None
