@@ -27,6 +27,17 @@ torch._dynamo.config.capture_scalar_outputs = True
 torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 
+def inductor_patches(config: Config) -> dict:
+    """The Inductor config the user asked for: the mode's patches (`inductor.mode` or torch.compile's mode=)
+    first, then `inductor.options` over them."""
+    import torch._inductor
+
+    mode = config["inductor.mode"]
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
+    patches.update(config["inductor.options"])
+    return patches
+
+
 def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
     config = Config.from_options(options, mode)
     import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
@@ -41,10 +52,9 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
         return collect.reporting_runs(gm.forward, record)
     from torch._inductor.compile_fx import compile_fx
 
-    patches: dict = {"post_grad_custom_post_pass": CompiledGraphAudit(record.compiled),
-                     "joint_custom_pre_pass": SaveEPExchanges()}
-    if mode not in (None, "default"):
-        patches.update(torch._inductor.list_mode_options(mode))
+    # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
+    patches = {**inductor_patches(config), "post_grad_custom_post_pass": CompiledGraphAudit(record.compiled),
+               "joint_custom_pre_pass": SaveEPExchanges()}
     from .ops.fp8_rowwise_decomp import inductor_decompositions
 
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.

@@ -27,10 +27,73 @@ def _options(args) -> dict:
     return json.loads(args.options) if args.options else {}
 
 
+# ---------------------------------------------------------------- JSON flags, checked as argparse checks types
+# Each returns the flag's text unchanged: bench.py and converge.py parse it themselves once it is known good.
+
+_OPTIONS_EXAMPLE = '{"mxfp8.wgrad_bf16": true}'
+
+
+def _json_object(text: str, example: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e}); give a JSON object, e.g. {example}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an object; "
+                                         f"give a JSON object, e.g. {example}")
+    return value
+
+
+def _valid_options(options: dict) -> None:
+    from moepass.options import Config, OptionsError
+
+    try:
+        Config.from_options(options)
+    except OptionsError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("moepass: ")) from None
+
+
+def options_json(text: str) -> str:
+    """--options: a JSON object of valid backend options."""
+    _valid_options(_json_object(text, _OPTIONS_EXAMPLE))
+    return text
+
+
+def model_overrides_json(text: str) -> str:
+    """--model-overrides: a JSON object of model config fields."""
+    _json_object(text, '{"dim": 512}')
+    return text
+
+
+def variant_json(text: str) -> str:
+    """--variant LABEL=JSON: a label and a JSON object of valid backend options."""
+    label, sep, own = text.partition("=")
+    if not sep or not label.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not LABEL=JSON; give e.g. 'wgrad_bf16={_OPTIONS_EXAMPLE}'")
+    _valid_options(_json_object(own, f"'{label.strip()}={_OPTIONS_EXAMPLE}'"))
+    return text
+
+
+JSON_FLAGS = {"--options": options_json, "--model-overrides": model_overrides_json, "--variant": variant_json}
+
+
+def _check_json_flags(p: argparse.ArgumentParser) -> None:
+    """Give the JSON flags of `p` their checks, wherever they were declared (bench.py declares most)."""
+    for flag, check in JSON_FLAGS.items():
+        action = p._option_string_actions.get(flag)
+        if action is not None:
+            action.type = check
+
+
+# ---------------------------------------------------------------- commands
+
+
 def cmd_options(args) -> int:
-    from moepass.options import options_table_markdown
+    from moepass.options import ENV_VAR, options_table_markdown
 
     _say(options_table_markdown())
+    _say(f"\nWith no options given to torch.compile, the environment variable {ENV_VAR} (a JSON object of these "
+         "options) is used; explicit options win and it is then ignored.")
     return 0
 
 
@@ -99,7 +162,8 @@ def cmd_demo(args) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser, steps: int | None = None) -> None:
     bench.add_model_flags(p, batch=4, seq=128)
-    p.add_argument("--options", default=None, help='backend options as JSON, e.g. \'{"mxfp8.wgrad_bf16": true}\'')
+    p.add_argument("--options", default=None, type=options_json,
+                   help=f"backend options as JSON, e.g. '{_OPTIONS_EXAMPLE}' (default: none, then $MOEPASS_OPTIONS)")
     p.add_argument("--out", default=None, help="directory for the report (json, code, html)")
     if steps is not None:
         p.add_argument("--steps", type=int, default=steps)
@@ -123,11 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("converge", help="BF16 vs moepass loss curves from the same seed and data; PASS/FAIL")
     converge.add_arguments(p)
     p.set_defaults(fn=converge.cmd_converge)
+    for p in sub.choices.values():
+        _check_json_flags(p)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():  # torchao's CUDA extensions cannot load here; the report says what runs
         logging.getLogger("torchao").setLevel(logging.ERROR)
     start = time.perf_counter()
-    rc = args.fn(args)
+    from moepass.options import Config, OptionsError
+
+    try:
+        if args.command != "options":
+            Config.from_options(None)  # a bad $MOEPASS_OPTIONS fails here, before any model is built
+        rc = args.fn(args)
+    except OptionsError as e:  # an options mistake is a usage error: exit 2 with the message, as argparse does
+        sub.choices[args.command].exit(2, f"moepass {args.command}: error: {str(e).removeprefix('moepass: ')}\n")
     if args.command != "options":
         _say(f"done in {time.perf_counter() - start:.1f} s")
     return rc

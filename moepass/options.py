@@ -1,14 +1,25 @@
 """The backend's options: declared once here, validated into a frozen Config.
 
 `torch.compile(model, backend="moepass", options={...})` passes a flat dict. Keys are either
-global (`passes`, `inductor`) or namespaced by the passes that read them (`mxfp8.exclude`).
-Every key has a type, a default and a one-line help; the README's options table and
+global (`passes`, `inductor`) or namespaced by the part that reads them (`mxfp8.exclude`,
+`inductor.mode`). Every key has a type, a default and a one-line help; the README's options table and
 `moepass options` are printed from this table, so they cannot drift.
+
+When torch.compile passes no options (none, or an empty dict: torch drops those), the environment
+variable MOEPASS_OPTIONS, a JSON object of the same keys, is used instead: for stacks that compile with
+`backend="moepass"` and offer no way to pass options. Explicit options win: when any are given,
+MOEPASS_OPTIONS is ignored, whatever it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
+import logging
+import os
+import reprlib
+import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +36,11 @@ class OptionsError(ValueError, _PassThrough):
         Exception.__init__(self, message)
         self.first_useful_frame = None  # read by Dynamo's ShortenTraceback handling
 
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "MOEPASS_OPTIONS"
+_ENV_EXAMPLE = '{"passes": ["mxfp8_linear"]}'
 
 PIPELINE = ("deepep", "mxfp8_grouped_mm", "mxfp8_linear")
 """All passes, in the order they run. `options["passes"]` picks a subset; order stays this one."""
@@ -48,13 +64,31 @@ def _is_pass_list(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(p in PIPELINE for p in v)
 
 
+def _is_dir_path(v: Any) -> bool:
+    return v is None or (isinstance(v, (str, os.PathLike)) and os.fspath(v) != "")
+
+
+INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+"""torch.compile's modes: `torch._inductor.list_mode_options()` on torch 2.11 and 2.13 (a test checks it)."""
+
+MOEPASS_INDUCTOR_PATCHES = ("post_grad_custom_post_pass", "joint_custom_pre_pass")
+"""Inductor config entries backend.py sets itself (compiled-graph audit, EP exchanges saved for backward)."""
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("passes", PIPELINE, "passes to run, by name (they always run in pipeline order)",
            check=_is_pass_list, expects=f"a list drawn from {list(PIPELINE)}"),
     Option("inductor", True, "compile the rewritten graph with Inductor (False: run it eagerly, for debugging)",
            choices=(True, False)),
+    Option("inductor.mode", None, "Inductor mode, as torch.compile's mode= takes it; set it here to use a mode "
+           "together with options (torch.compile refuses both); None: torch.compile's mode=, if any",
+           choices=(None, *INDUCTOR_MODES)),
+    Option("inductor.options", {}, "Inductor config patches {name: value}, names from torch._inductor.config "
+           "(e.g. 'max_autotune', 'triton.cudagraphs'); applied after inductor.mode's",
+           check=lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+           expects="a dict of torch._inductor.config names to values, e.g. {'max_autotune': True}"),
     Option("report_dir", None, "write the report (json, code, html) here after each compiled graph",
-           check=lambda v: v is None or isinstance(v, str), expects="a directory path or None"),
+           check=_is_dir_path, expects="a directory path or None"),
     # auto's Hopper thresholds are measured (fp8_recipe.FP8_ROWWISE_MIN): large linears, and expert GEMMs at
     # thousands of tokens per expert (forward and dgrad; their wgrad stays BF16)
     Option("recipe", "auto", "low-precision recipe of the mxfp8_* passes: auto = mxfp8 on sm_100+ and CPU "
@@ -104,15 +138,37 @@ class Config:
         return tuple(p for p in PIPELINE if p in self.values["passes"])
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.values.items()}
+        return {k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v
+                for k, v in self.values.items()}
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> "Config":
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(_BY_KEY))
+        """Validate `options` (falling back to MOEPASS_OPTIONS when none are given) and torch.compile's `mode`."""
+        env = os.environ.get(ENV_VAR)
+        given = not (options is None or (isinstance(options, Mapping) and not options))
+        if given or env is None:
+            if env is not None:
+                log.info("moepass: explicit options given; %s ignored", ENV_VAR)
+            return cls._validated(options, mode)
+        from_env = options_from_env(env)
+        try:
+            return cls._validated(from_env, mode)
+        except OptionsError as e:
+            raise OptionsError(f"{e} (options read from the {ENV_VAR} environment variable)") from None
+
+    @classmethod
+    def _validated(cls, options: Any, mode: str | None) -> "Config":
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise OptionsError(f"moepass: options must be a dict of option names to values, not "
+                               f"{type(options).__name__} {reprlib.repr(options)}. Valid options: {sorted(_BY_KEY)}")
+        unknown = sorted(set(options) - set(_BY_KEY), key=str)
         if unknown:
+            near = [m for u in unknown if isinstance(u, str) for m in difflib.get_close_matches(u, _BY_KEY, n=1)]
             raise OptionsError(
-                f"moepass: unknown option(s) {unknown}. Valid options: {sorted(_BY_KEY)}"
+                f"moepass: unknown option(s) {unknown}{f' (did you mean {near}?)' if near else ''}. "
+                f"Valid options: {sorted(_BY_KEY)}"
             )
         values = {}
         for opt in OPTIONS:
@@ -124,10 +180,75 @@ class Config:
                 )
             if opt.check is not None and not opt.check(value):
                 raise OptionsError(f"moepass: option {opt.key!r}={value!r} is not valid; expected {opt.expects}")
-            values[opt.key] = tuple(value) if isinstance(value, list) else value
-        if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
-            raise OptionsError(f"moepass: mode {mode!r} is not a torch.compile mode")
+            values[opt.key] = _frozen(value)
+        values["inductor.mode"] = _effective_mode(values["inductor.mode"], mode)
+        _check_inductor_patches(values["inductor.options"])
+        if values["report_dir"] is not None:
+            _check_report_dir(values["report_dir"])
         return cls(values)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def options_from_env(text: str) -> dict:
+    """MOEPASS_OPTIONS' text -> an options dict (validated by Config.from_options)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionsError(f"moepass: environment variable {ENV_VAR}={text!r} is not valid JSON ({e}); set it to "
+                           f"a JSON object of option names to values, e.g. '{_ENV_EXAMPLE}', or unset it") from None
+    if not isinstance(value, dict):
+        raise OptionsError(f"moepass: environment variable {ENV_VAR}={text!r} is a JSON {type(value).__name__}, not "
+                           f"an object; set it to a JSON object of option names to values, e.g. '{_ENV_EXAMPLE}'. "
+                           f"Valid options: {sorted(_BY_KEY)}")
+    log.info("moepass: options from %s: %s", ENV_VAR, value)
+    return value
+
+
+def _effective_mode(option: str | None, mode: str | None) -> str | None:
+    """The `inductor.mode` option, else torch.compile's mode=; both given must agree."""
+    if mode is not None and mode not in INDUCTOR_MODES:
+        raise OptionsError(f"moepass: torch.compile mode={mode!r} is not valid; valid modes: {list(INDUCTOR_MODES)}")
+    if option is not None and mode is not None and option != mode:
+        raise OptionsError(f"moepass: torch.compile mode={mode!r} and option 'inductor.mode'={option!r} disagree; "
+                           "give the mode once (with options, as 'inductor.mode')")
+    return option if option is not None else mode
+
+
+def _check_inductor_patches(patches: Mapping[str, Any]) -> None:
+    if not patches:
+        return
+    import torch._inductor.config as inductor_config  # only here: importing Inductor costs a second
+
+    known = inductor_config.get_config_copy()
+    for key in patches:
+        if key in MOEPASS_INDUCTOR_PATCHES:
+            raise OptionsError(f"moepass: option 'inductor.options' sets {key!r}, which moepass sets itself "
+                               f"({list(MOEPASS_INDUCTOR_PATCHES)} are moepass's); leave it out")
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=3)
+            raise OptionsError(f"moepass: option 'inductor.options' key {key!r} is not an Inductor config"
+                               f"{f' (did you mean {near}?)' if near else ''}; valid keys are the names in "
+                               "torch._inductor.config (torch/_inductor/config.py; dotted for sub-configs, "
+                               "e.g. 'triton.cudagraphs')")
+
+
+def _check_report_dir(path: str) -> None:
+    """Create the directory and write a file there now, not after every pass has run."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".moepass-probe-") as probe:
+            probe.write(b"ok")
+            probe.flush()
+    except OSError as e:
+        raise OptionsError(f"moepass: option 'report_dir'={path!r} is not a writable directory ({e}); "
+                           "give a directory moepass can create and write to, or None") from None
 
 
 def options_table_markdown() -> str:

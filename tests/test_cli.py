@@ -1,8 +1,12 @@
-"""The command line as a user runs it: `moepass inspect` and `moepass demo` (small settings)."""
+"""The command line as a user runs it: `moepass inspect` and `moepass demo` (small settings), and its usage errors."""
 
 import json
 import subprocess
 import sys
+
+import pytest
+
+from moepass.cli import main
 
 
 def _moepass(*args, timeout=900):
@@ -30,3 +34,69 @@ def test_demo_trains_both_backends_side_by_side():
         assert abs(float(loss_a) - float(loss_b)) / float(loss_a) < 0.05  # same init, same data
         assert float(ms_a) > 0 and float(ms_b) > 0
     assert "final loss: inductor" in stdout
+
+
+# ---------------------------------------------------------------- usage errors: exit 2, the flag named, one line
+
+
+def _usage_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]  # argparse: usage lines, then the one-line error
+
+
+@pytest.mark.parametrize("command, flag, value, words", [
+    ("demo", "--options", "{bad", ["is not valid JSON", "give a JSON object"]),
+    ("inspect", "--options", "[1, 2]", ["is a JSON list, not an object"]),
+    ("bench", "--options", "{'single': 'quotes'}", ["is not valid JSON"]),
+    ("converge", "--options", "7", ["is a JSON int, not an object"]),
+    ("inspect", "--model-overrides", "{dim: 512}", ["is not valid JSON", '{"dim": 512}']),
+    ("bench", "--model-overrides", '"dim"', ["is a JSON str, not an object"]),
+    ("converge", "--model-overrides", "{", ["is not valid JSON"]),
+    ("bench", "--variant", "wgrad={", ["is not valid JSON", "wgrad={"]),
+    ("bench", "--variant", '{"mxfp8.wgrad_bf16": true}', ["is not LABEL=JSON"]),
+    ("bench", "--variant", "x=[]", ["is a JSON list, not an object"]),
+])
+def test_bad_json_flag_is_a_usage_error_naming_the_flag(capsys, command, flag, value, words):
+    line = _usage_error(capsys, command, flag, value)
+    assert line.startswith(f"moepass {command}: error: argument {flag}: ")
+    for word in words:
+        assert word in line
+
+
+@pytest.mark.parametrize("command, flag, value, words", [
+    ("inspect", "--options", '{"mxfp8.scale_rounding": "nearest"}', ["'rceil', 'floor'"]),
+    ("bench", "--options", '{"pases": []}', ["unknown option(s) ['pases']", "did you mean ['passes']"]),
+    ("bench", "--variant", 'a={"inductor.options": {"max_autotun": true}}',
+     ["'max_autotun'", "torch._inductor.config"]),
+])
+def test_invalid_options_in_a_flag_are_a_usage_error(capsys, command, flag, value, words):
+    line = _usage_error(capsys, command, flag, value)
+    assert line.startswith(f"moepass {command}: error: argument {flag}: ")
+    for word in words:
+        assert word in line
+
+
+def test_report_dir_under_a_file_is_a_usage_error(capsys, tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    line = _usage_error(capsys, "inspect", "--options", json.dumps({"report_dir": str(a_file / "out")}))
+    assert "'report_dir'" in line and "Not a directory" in line
+
+
+def test_bad_env_options_are_a_usage_error_before_any_model_is_built(capsys, monkeypatch):
+    import moepass.bench
+
+    monkeypatch.setattr(moepass.bench, "model_spec", lambda args: pytest.fail("a model was built"))
+    monkeypatch.setenv("MOEPASS_OPTIONS", "{bad")
+    line = _usage_error(capsys, "inspect")
+    assert line.startswith("moepass inspect: error: environment variable MOEPASS_OPTIONS='{bad' is not valid JSON")
+
+
+def test_options_command_prints_the_table_and_the_env_variable(capsys):
+    assert main(["options"]) == 0
+    out = capsys.readouterr().out
+    assert "| `inductor.mode` |" in out and "| `inductor.options` |" in out and "MOEPASS_OPTIONS" in out
