@@ -8,6 +8,7 @@ must not also register itself by name: Dynamo would then see the name twice.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import fx
@@ -38,12 +39,19 @@ def inductor_patches(config: Config) -> dict:
     return patches
 
 
+def _compile_call():
+    """The torch.compile call compiling this graph: torch wraps a named backend in a `_TorchCompileWrapper` per
+    call, whose `__call__` is our caller. None when called some other way (then reports group by options)."""
+    caller = sys._getframe(2).f_locals.get("self")
+    return caller if type(caller).__name__ == "_TorchCompileWrapper" else None
+
+
 def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
     config = Config.from_options(options, mode)
     import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
 
     record = run_pipeline(gm, example_inputs, config)
-    report = collect.current_report(config)
+    report = collect.current_report(config, _compile_call())
     report.add_graph(record)
     log.info("%s", report.summary())
     if config["report_dir"]:
@@ -60,3 +68,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
     compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions())
     return collect.reporting_runs(compiled, record)
+
+
+# torch._dynamo.reset() calls reset() on the backends it cached: the process-wide report goes with the caches
+moepass_backend.reset = collect.forget

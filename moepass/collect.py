@@ -1,4 +1,5 @@
-"""Where the backend's records go: the innermost `collecting()` report, else the process-wide last one."""
+"""Where the backend's records go: the innermost `collecting()` report, else the report of the torch.compile
+call being compiled (`last_report()`: the latest such call's graphs; `torch._dynamo.reset()` clears it)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,34 @@ from .report import Report
 
 _stack: list[Report] = []
 _last: Report | None = None
+_last_compile_call: object = None
 
 
-def current_report(config) -> Report:
-    global _last
+def current_report(config, compile_call=None) -> Report:
+    """The report a graph compiled now belongs to. `compile_call` identifies the torch.compile call (its
+    backend wrapper) so that graphs of one compiled model gather in one report and another model's or another
+    compile's graphs start a new one; None when unknown (then equal options mean the same report)."""
+    global _last, _last_compile_call
     if _stack:
         if not _stack[-1].config:
             _stack[-1].config = config.to_dict()
         return _stack[-1]
-    if _last is None or _last.config != config.to_dict():
-        _last = Report(config.to_dict())
+    same_call = compile_call is _last_compile_call if compile_call is not None else \
+        _last is not None and _last.config == config.to_dict()
+    if _last is None or not same_call:
+        _last, _last_compile_call = Report(config.to_dict()), compile_call
     return _last
 
 
+def forget() -> None:
+    """Drop the process-wide report (Dynamo's reset calls this: what it described was compiled away)."""
+    global _last, _last_compile_call
+    _last, _last_compile_call = None, None
+
+
 def last_report() -> Report | None:
-    """The report of graphs compiled outside `moepass.inspect` (None before any)."""
+    """The report of the most recent torch.compile(..., backend="moepass") call's graphs, or the innermost
+    `collecting()` report (None before any)."""
     return _stack[-1] if _stack else _last
 
 

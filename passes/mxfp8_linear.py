@@ -132,8 +132,8 @@ def _problem(m: LinearMatch, config) -> str | None:
         return ("router gate: its output feeds expert selection (top-k, arg-max, sort) "
                 "(kept BF16; mxfp8.keep_router_bf16)")
     if m.role == "output_head" and config["mxfp8.keep_output_head_bf16"]:
-        return ("output head (vocabulary projection): no GEMM or residual add after it "
-                "(kept BF16; mxfp8.keep_output_head_bf16)")
+        return ("output head (vocabulary projection): no GEMM or residual add after it in this graph (also the "
+                "last GEMM before a graph break looks so) (kept BF16; mxfp8.keep_output_head_bf16)")
     problem = module_filter_problem(m.module, config)
     if problem:
         return problem

@@ -51,3 +51,47 @@ def test_each_graph_counts_once_per_report_however_often_it_runs():
             compiled(X)
     d = report.to_dict()
     assert d["graphs"] == 1 and d["replayed_graphs"] == 0 and _linear_pass(report)["replaced"] == 2
+
+
+class OneLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return x + self.proj(x)
+
+
+def test_last_report_is_the_latest_compile_calls_graphs_only():
+    torch._dynamo.reset()
+    torch.compile(TwoLinears(), backend="moepass", options=OPTIONS)(X)
+    assert _linear_pass(moepass.last_report())["replaced"] == 2
+    torch.compile(OneLinear(), backend="moepass", options=OPTIONS)(X)  # same options, another model
+    report = moepass.last_report()
+    assert report.to_dict()["graphs"] == 1 and _linear_pass(report)["replaced"] == 1
+
+
+def test_last_report_after_dynamo_reset_does_not_count_graphs_twice():
+    torch._dynamo.reset()
+    compiled = torch.compile(TwoLinears(), backend="moepass", options=OPTIONS)
+    compiled(X)
+    torch._dynamo.reset()
+    assert moepass.last_report() is None  # what it described was compiled away
+    compiled(X)  # the same compiled model compiles again
+    assert moepass.last_report().to_dict()["graphs"] == 1
+
+
+def test_last_report_gathers_every_graph_of_one_compiled_model():
+    class Broken(TwoLinears):
+        def forward(self, x):
+            h = torch.relu(self.up(x))
+            torch._dynamo.graph_break()
+            return x + self.down(h)
+
+    torch._dynamo.reset()
+    torch.compile(Broken(), backend="moepass", options=OPTIONS)(X)
+    report = moepass.last_report()
+    # `up` ends the first graph: like an output head, nothing after it there (kept BF16, with that reason)
+    assert report.to_dict()["graphs"] == 2 and _linear_pass(report)["replaced"] == 1
+    (skip,) = _linear_pass(report)["skipped"]
+    assert skip["module"] == "up" and "graph break" in skip["reason"]
