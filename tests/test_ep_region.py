@@ -17,6 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import moepass.backend  # noqa: F401  (turns on capture_scalar_outputs / capture_dynamic_output_shape_ops)
 from moepass.analysis.ep_region import find_ep_regions
+from moepass.left_alone import explain
 
 TOKENS, HIDDEN, EXPERTS, TOP_K, RANKS = 16, 64, 8, 2, 2
 
@@ -317,6 +318,8 @@ def test_region_is_skipped_with_its_reason(change, sizes, anchor, reason):
     assert regions == []
     (skip,) = skips
     assert reason in skip.reason
+    documented = explain(skip.reason)  # the README's "what moepass will not rewrite" table has it
+    assert documented is not None and documented.passes == "deepep", skip.reason
     a2as = _all_to_alls(gm)
     expected = {"counts": a2as[0], "tokens": a2as[-2], "combine": a2as[-1]}[anchor]
     assert skip.node is expected and skip.module == ""

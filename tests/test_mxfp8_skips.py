@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import moepass
+from moepass.left_alone import explain, left_alone_table_markdown
 
 
 class Ineligible(nn.Module):
@@ -37,6 +38,8 @@ def test_ineligible_gemms_skipped_with_reasons_and_results_unchanged():
     assert [r["module"] for r in d["mxfp8_linear"]["rewrites"]] == ["ok"]
     (grouped,) = d["mxfp8_grouped_mm"]["skipped"]
     assert "only the MoE form" in grouped["reason"]
+    for skip in d["mxfp8_linear"]["skipped"] + d["mxfp8_grouped_mm"]["skipped"]:
+        assert explain(skip["reason"]) is not None, skip  # documented in the README's table
     out = torch.compile(model, backend="moepass", options={"mxfp8.exclude": ["kept"]})(x)
     assert torch.isfinite(out)
 
@@ -48,3 +51,10 @@ def test_include_patterns_limit_the_rewrite():
     assert [r["module"] for r in linear["rewrites"]] == ["2"]
     reasons = {s["module"]: s["reason"] for s in linear["skipped"]}
     assert "matches no mxfp8.include pattern" in reasons["0"] and "output head" in reasons["3"]
+
+
+def test_readme_lists_what_moepass_leaves_alone_as_generated():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert left_alone_table_markdown() in readme, "stale: paste the output of moepass.left_alone.left_alone_table_markdown()"
