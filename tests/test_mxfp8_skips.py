@@ -57,4 +57,4 @@ def test_readme_lists_what_moepass_leaves_alone_as_generated():
     import pathlib
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    assert left_alone_table_markdown() in readme, "stale: paste the output of moepass.left_alone.left_alone_table_markdown()"
+    assert left_alone_table_markdown() in readme, "stale: paste moepass.left_alone.left_alone_table_markdown()"
