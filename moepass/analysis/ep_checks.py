@@ -34,6 +34,9 @@ _DIGIT_BASE = 16  # token-index digits: exact in bf16 even after a 0.5 or 2 weig
 def check_region(gm: fx.GraphModule, region: EPRegion) -> None:
     """Fill in the experts' output and counts, and decide where the weights apply; raise Mismatch if any
     joint does not compute what the DeepEP rewrite assumes."""
+    if region.num_tokens == 0:
+        raise Mismatch(region.token_a2a.node, "traced with no tokens (T=0): the region cannot be checked on samples; "
+                                              "it runs unchanged (a batch with tokens compiles its own graph)")
     digits = token_digits(region.num_tokens)
     if region.topk_weights is None or region.tokens_out is None:
         raise Mismatch(region.combine_a2a.node, "the region's result and routing weights were not identified")
