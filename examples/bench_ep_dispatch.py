@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 import moepass.backend  # noqa: F401  (the "moepass" backend; Dynamo flags for .tolist() splits)
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
-from moepass.bench import git_commit, profile_table
+from moepass.harness.profiling import profile_table
+from moepass.harness.provenance import git_commit
 from moepass.models import expert_parallel as standard_ep
 from moepass.ops.ep_dispatch_combine import choose_ep_backend, group_args
 

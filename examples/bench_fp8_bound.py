@@ -38,11 +38,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench_fp8_gemms import time_ms
-from moepass import bench as mbench
+from moepass.harness.bench import run_variant
+from moepass.harness.corpus import Batches, load_corpus
+from moepass.harness.flags import add_model_flags, model_spec
+from moepass.harness.output import error_summary, json_safe, say
+from moepass.harness.provenance import provenance
+from moepass.harness.ranks import Ranks
+from moepass.harness.timing import add_speedups
+from moepass.harness.train import next_token_loss
+from moepass.harness.variants import parse_custom_variant, resolve_variants
 from moepass.ops import fp8_rowwise_decomp as decomp
 from moepass.ops import fp8_rowwise_quant as quant
 from moepass.ops.fp8_rowwise_grouped_mm import scaled_grouped_mm
-from moepass.train import next_token_loss
 
 SCHEMA = "moepass.bench_fp8_bound/1"
 aten = torch.ops.aten
@@ -225,8 +232,8 @@ def gemm_rows(calls: dict, vocab: int | None, timer, device) -> list[dict]:
         best = min(row["fp8_ms"].values(), default=None)
         row["fp8_best_ms"] = best
         row["saved_ms_per_call"] = round(max(0.0, row["bf16_ms"] - best), 4) if best is not None else 0.0
-        mbench.say(f"  {row['role']:<8} {g.describe():<58} x{n:<3} bf16 {row['bf16_ms']:8.3f} ms  fp8 "
-                   + " ".join(f"{k} {v:.3f}" for k, v in row["fp8_ms"].items()))
+        say(f"  {row['role']:<8} {g.describe():<58} x{n:<3} bf16 {row['bf16_ms']:8.3f} ms  fp8 "
+            + " ".join(f"{k} {v:.3f}" for k, v in row["fp8_ms"].items()))
         rows.append(row)
         del args
     return rows
@@ -250,7 +257,7 @@ def bound(rows: list[dict], step_bf16_ms: float) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mbench.add_model_flags(p, batch=8, seq=4096)
+    add_model_flags(p, batch=8, seq=4096)
     p.set_defaults(flavor="16B", layers=4)
     p.add_argument("--steps", type=int, default=10, help="training steps per variant (as moepass bench)")
     p.add_argument("--warmup", type=int, default=3)
@@ -274,60 +281,58 @@ def main(argv=None) -> int:
                          f"got {args.device}")
     result = measure(args, lambda fn: time_ms(fn, 5, args.iters))
     b = result["bound"]
-    mbench.say(f"\nBF16 step {result['step_bf16_ms']:.1f} ms; its GEMMs alone {b['all']['gemm_bf16_ms']:.1f} ms "
-               f"({b['gemm_share_of_step']:.0%}), the output head's "
-               f"{b['all']['gemm_bf16_ms'] - b['no_head']['gemm_bf16_ms']:.1f} ms")
+    say(f"\nBF16 step {result['step_bf16_ms']:.1f} ms; its GEMMs alone {b['all']['gemm_bf16_ms']:.1f} ms "
+        f"({b['gemm_share_of_step']:.0%}), the output head's "
+        f"{b['all']['gemm_bf16_ms'] - b['no_head']['gemm_bf16_ms']:.1f} ms")
     for scope in ("all", "no_head"):
-        mbench.say(f"bound ({scope:<7}): FP8 at zero quantization cost saves {b[scope]['saved_ms']:.1f} ms -> "
-                   f"{b[scope]['bound_step_ms']:.1f} ms/step, at most {b[scope]['max_speedup']:.3f}x")
+        say(f"bound ({scope:<7}): FP8 at zero quantization cost saves {b[scope]['saved_ms']:.1f} ms -> "
+            f"{b[scope]['bound_step_ms']:.1f} ms/step, at most {b[scope]['max_speedup']:.3f}x")
     for s in result["steps"]:
         if s["status"] == "ok":
-            mbench.say(f"measured {s['name']:<20} {s['step_ms_median']:.1f} ms/step  {s['speedup_vs_baseline']:.3f}x")
+            say(f"measured {s['name']:<20} {s['step_ms_median']:.1f} ms/step  {s['speedup_vs_baseline']:.3f}x")
         else:
-            mbench.say(f"measured {s['name']:<20} FAILED {mbench.error_summary(s['error'])}")
-    mbench.say(f"wrote {args.out}")
+            say(f"measured {s['name']:<20} FAILED {error_summary(s['error'])}")
+    say(f"wrote {args.out}")
     return 0
 
 
 def measure(args, timer) -> dict:
     """Record, time the GEMMs with `timer(fn) -> ms`, time the steps; the result is also written to args.out."""
-    from moepass.data import Batches, load_corpus
-
     device = torch.device(args.device)
-    spec = mbench.model_spec(args)
-    custom = dict(mbench.parse_custom_variant(s) for s in args.variant)
+    spec = model_spec(args)
+    custom = dict(parse_custom_variant(s) for s in args.variant)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    variants = mbench.resolve_variants(names, json.loads(args.options) if args.options else None, custom)
+    variants = resolve_variants(names, json.loads(args.options) if args.options else None, custom)
     if args.step_bf16_ms is None and not variants:
         raise SystemExit("bench_fp8_bound: give --variants (the first is the BF16 baseline) or --step-bf16-ms")
     tokens, _ = load_corpus(None)
     batches = Batches(tokens, args.batch, args.seq, seed=args.seed)
     started = time.perf_counter()
-    result = mbench.provenance(SCHEMA, device, 1)
+    result = provenance(SCHEMA, device, 1)
     result["config"] = {"model": spec.describe(), "batch": args.batch, "seq": args.seq, "iters": args.iters,
                         "steps": args.steps, "warmup": args.warmup,
                         "fp8": "e4m3, operands pre-quantized, use_fast_accum=True; see the module docstring"}
 
-    mbench.say(f"bench_fp8_bound: recording the GEMMs of one eager BF16 step of {spec.describe()}, "
-               f"batch {args.batch} x seq {args.seq}")
+    say(f"bench_fp8_bound: recording the GEMMs of one eager BF16 step of {spec.describe()}, "
+        f"batch {args.batch} x seq {args.seq}")
     model = spec.build(args.seed, device)
     inputs, targets = (t.to(device) for t in batches[0])
     calls, vocab = record_step_gemms(model, inputs, targets)
     del model, inputs, targets
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    mbench.say(f"{sum(calls.values())} GEMM calls, {len(calls)} distinct; vocabulary {vocab}; timing each")
+    say(f"{sum(calls.values())} GEMM calls, {len(calls)} distinct; vocabulary {vocab}; timing each")
     rows = gemm_rows(calls, vocab, timer, device)
     result.update(vocab=vocab, gemms=rows)
 
     steps = []
     if args.step_bf16_ms is None:
-        ranks = mbench.Ranks(device=device)
+        ranks = Ranks(device=device)
         for v in variants:
-            mbench.say(f"step: {v.name} ({v.backend}, {v.options})")
-            steps.append(mbench.run_variant(v, spec, batches, steps=args.steps, warmup=args.warmup, lr=args.lr,
-                                            seed=args.seed, ranks=ranks, ep=1))
-        mbench.add_speedups(steps, baseline=names[0] if names else next(iter(custom)))
+            say(f"step: {v.name} ({v.backend}, {v.options})")
+            steps.append(run_variant(v, spec, batches, steps=args.steps, warmup=args.warmup, lr=args.lr,
+                                     seed=args.seed, ranks=ranks, ep=1))
+        add_speedups(steps, baseline=names[0] if names else next(iter(custom)))
         if steps[0]["status"] != "ok":
             raise SystemExit(f"bench_fp8_bound: the baseline step {steps[0]['name']!r} failed: {steps[0]['error']}")
         step_bf16 = steps[0]["step_ms_median"]
@@ -336,7 +341,7 @@ def measure(args, timer) -> dict:
     result.update(step_bf16_ms=step_bf16, steps=steps, bound=bound(rows, step_bf16),
                   seconds=round(time.perf_counter() - started, 1))
     with open(args.out, "w") as f:
-        json.dump(mbench.json_safe(result), f, indent=1)
+        json.dump(json_safe(result), f, indent=1)
     return result
 
 

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from bench_fp8_gemms import routed_group_sizes, time_ms
-from moepass.bench import git_commit, package_version
+from moepass.harness.provenance import git_commit, package_version
 from moepass.ops import fp8_rowwise_quant as quant
 from moepass.ops import fp8_rowwise_triton as triton_ops
 

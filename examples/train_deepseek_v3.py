@@ -10,9 +10,9 @@ import json
 import torch
 
 import moepass
-from moepass.data import Batches, load_corpus
+from moepass.harness.corpus import Batches, load_corpus
+from moepass.harness.train import train
 from moepass.models import build_model
-from moepass.train import train
 
 p = argparse.ArgumentParser()
 p.add_argument("--flavor", default="debug")

@@ -8,8 +8,10 @@ are decomposed before this point: they show as aten._scaled_mm / _scaled_grouped
 A custom op's Python body and autograd formula are not part of Inductor's FX-graph cache key
 or the AOTAutograd cache key, so after editing an op (or its decomposition) a warm cache could
 serve the old code.
-Inductor does hash the `uuid()` of custom graph passes in its config: ours is a hash of every
-moepass source file. (On a cache hit the graph is not recompiled, so nothing is audited.)
+Inductor does hash the `uuid()` of custom graph passes in its config: ours is a hash of the moepass
+source files that can shape a compiled graph (the engine, its analysis, ops and passes); the benchmark
+harness is left out, so editing a chart does not invalidate compiled graphs. (On a cache hit the graph is
+not recompiled, so nothing is audited.)
 """
 
 from __future__ import annotations
@@ -23,18 +25,34 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
-@functools.lru_cache(maxsize=1)
-def source_hash() -> str:
+NOT_HASHED = ("harness",)  # folders under a root whose code never reaches a compiled graph
+
+
+def source_files(roots: list[pathlib.Path]) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """(root, path) of every .py file under `roots` outside NOT_HASHED, in a fixed order."""
+    return [(root, path) for root in sorted(roots) for path in sorted(root.rglob("*.py"))
+            if path.relative_to(root).parts[0] not in NOT_HASHED]
+
+
+def tree_hash(roots: list[pathlib.Path]) -> str:
+    digest = hashlib.sha256()
+    for root, path in source_files(roots):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def source_roots() -> list[pathlib.Path]:
+    """The moepass package (engine, analysis, ops) and the passes, installed as moepass.passes."""
     import moepass
     import moepass.passes
 
-    roots = {pathlib.Path(moepass.__file__).parent, pathlib.Path(moepass.passes.__file__).parent}
-    digest = hashlib.sha256()
-    for root in sorted(roots):
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return sorted({pathlib.Path(moepass.__file__).parent, pathlib.Path(moepass.passes.__file__).parent})
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    return tree_hash(source_roots())
 
 
 def graph_kind(graph: torch.fx.Graph) -> str:

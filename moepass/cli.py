@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from moepass import bench, converge
+from moepass.harness import bench, converge, flags
+from moepass.harness.corpus import Batches, load_corpus
+from moepass.harness.train import train
 
 
 def _say(msg: str) -> None:
@@ -20,7 +22,7 @@ def _say(msg: str) -> None:
 
 
 def _build(args, device):
-    return bench.model_spec(args).build(args.seed, device)
+    return flags.model_spec(args).build(args.seed, device)
 
 
 def _options(args) -> dict:
@@ -28,7 +30,7 @@ def _options(args) -> dict:
 
 
 # ---------------------------------------------------------------- JSON flags, checked as argparse checks types
-# Each returns the flag's text unchanged: bench.py and converge.py parse it themselves once it is known good.
+# Each returns the flag's text unchanged: bench and converge parse it themselves once it is known good.
 
 _OPTIONS_EXAMPLE = '{"mxfp8.wgrad_bf16": true}'
 
@@ -78,7 +80,7 @@ JSON_FLAGS = {"--options": options_json, "--model-overrides": model_overrides_js
 
 
 def _check_json_flags(p: argparse.ArgumentParser) -> None:
-    """Give the JSON flags of `p` their checks, wherever they were declared (bench.py declares most)."""
+    """Give the JSON flags of `p` their checks, wherever they were declared (harness/flags.py declares most)."""
     for flag, check in JSON_FLAGS.items():
         action = p._option_string_actions.get(flag)
         if action is not None:
@@ -99,7 +101,6 @@ def cmd_options(args) -> int:
 
 def cmd_inspect(args) -> int:
     import moepass
-    from moepass.data import Batches, load_corpus
 
     device = torch.device(args.device)
     _say(f"moepass inspect: building {args.flavor} DeepSeek-V3 on {device} ...")
@@ -117,8 +118,6 @@ def cmd_inspect(args) -> int:
 
 def cmd_demo(args) -> int:
     import moepass
-    from moepass.data import Batches, load_corpus
-    from moepass.train import train
 
     device = torch.device(args.device)
     _say(f"moepass demo: torch {torch.__version__}, device {device}, flavor {args.flavor}")
@@ -161,7 +160,7 @@ def cmd_demo(args) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser, steps: int | None = None) -> None:
-    bench.add_model_flags(p, batch=4, seq=128)
+    flags.add_model_flags(p, batch=4, seq=128)
     p.add_argument("--options", default=None, type=options_json,
                    help=f"backend options as JSON, e.g. '{_OPTIONS_EXAMPLE}' (default: none, then $MOEPASS_OPTIONS)")
     p.add_argument("--out", default=None, help="directory for the report (json, code, html)")

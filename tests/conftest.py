@@ -4,6 +4,7 @@ import sys
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))  # `from helpers import ...` from tests/ and its subfolders, in any import mode
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "independent"))  # models written apart from models/
 
 

@@ -16,8 +16,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 import moepass
+from moepass.harness.train import next_token_loss
 from moepass.models import build_model
-from moepass.train import next_token_loss
 
 TOKENS = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import moepass
+from moepass.harness.train import next_token_loss
 from moepass.models import build_model
-from moepass.train import next_token_loss
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from moepass.bench import ModelSpec
-from moepass.train import next_token_loss
-from test_fp8_rowwise_decomp import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
+from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
+from moepass.harness.model_spec import ModelSpec
+from moepass.harness.train import next_token_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16 = torch.bfloat16

@@ -13,7 +13,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from moepass.ops import fp8_rowwise_decomp as decomp
-from test_fp8_rowwise_decomp import scaled_mm_on_cpu  # noqa: F401  (fixture)
+from helpers import scaled_mm_on_cpu  # noqa: F401  (fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -88,9 +88,9 @@ def test_report_dir_under_a_file_is_a_usage_error(capsys, tmp_path):
 
 
 def test_bad_env_options_are_a_usage_error_before_any_model_is_built(capsys, monkeypatch):
-    import moepass.bench
+    from moepass.harness import flags
 
-    monkeypatch.setattr(moepass.bench, "model_spec", lambda args: pytest.fail("a model was built"))
+    monkeypatch.setattr(flags, "model_spec", lambda args: pytest.fail("a model was built"))
     monkeypatch.setenv("MOEPASS_OPTIONS", "{bad")
     line = _usage_error(capsys, "inspect")
     assert line.startswith("moepass inspect: error: environment variable MOEPASS_OPTIONS='{bad' is not valid JSON")

@@ -1,6 +1,6 @@
 """The deepep pass: EP all-to-all regions -> moepass::ep_dispatch / ep_combine, on gloo CPU ranks.
 
-Rank checks run in spawned processes kept across tests (test_ep_ops.RankPools: a failed or hung
+Rank checks run in spawned processes kept across tests (helpers.RankPools: a failed or hung
 check fails the test within its timeout). Besides moepass.models, the pass is run on an EP MoE
 written the way torchtitan writes it (ExpertParallel hooks, searchsorted permutation, setitem
 unpermute, score_before_experts either way) and on Megatron-style code (in-place
@@ -24,18 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from test_ep_ops import RankPools
+from helpers import rank_pool  # noqa: F401  (a fixture)
 from torch import nn
 
 VOCAB = 2048
 NO_A2A = ("all_to_all_single", "wait_tensor")
-
-
-@pytest.fixture(scope="module")
-def rank_pool():
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def _capture(fn, *args) -> list[torch.fx.GraphModule]:

@@ -13,17 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_ep_ops import RankPools
-from test_ep_ops_gpu import NVLS_OFF_ENV
+from helpers import nccl_ranks  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.multigpu
-
-
-@pytest.fixture(scope="module")
-def nccl_ranks():
-    pools = RankPools("nccl", NVLS_OFF_ENV)
-    yield pools
-    pools.close()
 
 
 def _run(model, tokens, options=None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_ep_ops import RankPools
+from helpers import rank_pool  # noqa: F401  (a fixture)
 
 import ep_catalog
 
@@ -29,13 +29,6 @@ REFUSED_FOR = {
     "ScatterReduceMeanCombine": "not the sum of each token's K returned rows",
     "TorchAOPaddedPermute": "not a permutation of the received rows",
 }
-
-
-@pytest.fixture(scope="module")
-def rank_pool():
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def _forward_backward(fn, block, x, rank):

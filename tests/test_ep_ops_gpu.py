@@ -10,9 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from test_ep_ops import (
+from helpers import (  # noqa: F401  (nccl_ranks: a fixture)
     SEED,
-    RankPools,
     check_autograd,
     check_combine_of_dispatch_counts_destinations,
     check_combine_sums_in_rank_order,
@@ -20,13 +19,12 @@ from test_ep_ops import (
     check_dispatch_semantics,
     handle_fields,
     make_rank_inputs,
+    nccl_ranks,
     problem_for,
 )
 
 pytestmark = pytest.mark.multigpu
 
-# NVLink multicast (NVLS) is off on the lent H200 machines; NCCL, NVSHMEM and symmetric memory must not try it.
-NVLS_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 needs_deep_ep = pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, reason="deep_ep is not installed")
 
 SEMANTIC_CHECKS = [
@@ -36,14 +34,6 @@ SEMANTIC_CHECKS = [
     check_autograd,
     check_compiled_matches_eager,
 ]
-
-
-@pytest.fixture(scope="module")
-def nccl_ranks():
-    """nccl_ranks(2) -> RankPool of NCCL ranks, one GPU each."""
-    pools = RankPools("nccl", NVLS_OFF_ENV)
-    yield pools
-    pools.close()
 
 
 @pytest.mark.parametrize("check", SEMANTIC_CHECKS, ids=lambda c: c.__name__)

@@ -17,51 +17,16 @@ import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.cache_key import CompiledGraphAudit
 from moepass.ops import fp8_rowwise_decomp as decomp
-from moepass.ops import fp8_rowwise_kernels
-from test_fp8_rowwise_ops import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, op_grouped,
-                                  op_linear)
+from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs
+from helpers import fp8_rowwise_op_grouped as op_grouped
+from helpers import fp8_rowwise_op_linear as op_linear
+from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
 FP8_OPS = {getattr(ops, name).default for name in (
     "fp8_rowwise_linear", "fp8_rowwise_linear_dgrad", "fp8_rowwise_linear_wgrad",
     "fp8_rowwise_grouped_mm", "fp8_rowwise_grouped_mm_dgrad", "fp8_rowwise_grouped_mm_wgrad")}
-
-
-@pytest.fixture
-def scaled_mm_on_cpu(monkeypatch):
-    """Let kernel "scaled_mm" pass the ops' checks on CPU (linears run torch._scaled_mm's CPU kernel)."""
-    original = fp8_rowwise_kernels.choose_fp8_rowwise_kernel
-
-    def choose(device, grouped):
-        if torch.device(device).type == "cpu":
-            return "scaled_mm", "test: torch._scaled_mm on CPU"
-        return original(device, grouped)
-
-    monkeypatch.setattr(fp8_rowwise_kernels, "choose_fp8_rowwise_kernel", choose)
-    monkeypatch.setattr(fp8_rowwise_kernels, "_choice_on", choose)  # the ops' cached lookup
-
-
-def _scaled_grouped_mm_standin(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
-                               use_fast_accum=False):
-    """CPU torch._scaled_grouped_mm for the 2d-3d form: the CUDA kernel's layout rules, then exact dequantization."""
-    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.dim() == 2 and b.dim() == 3
-    assert a.stride(1) == 1 and b.stride(1) == 1, (a.stride(), b.stride())  # row-major A, column-major B
-    assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
-    assert scale_a.is_contiguous() and scale_b.is_contiguous() and offs.dtype == torch.int32
-    assert out_dtype == BF16 and use_fast_accum and bias is None
-    out = torch._grouped_mm((a.float() * scale_a[:, None]).to(BF16), (b.float() * scale_b[:, None, :]).to(BF16),
-                            offs=offs)
-    out[int(offs[-1]):] = float("nan")  # the CUDA kernel leaves these rows unwritten
-    return out
-
-
-@pytest.fixture
-def scaled_grouped_mm_on_cpu(scaled_mm_on_cpu):
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_scaled_grouped_mm", _scaled_grouped_mm_standin, "CPU")
-    yield
-    lib._destroy()
 
 
 # ---- the table ----------------------------------------------------------------------------------

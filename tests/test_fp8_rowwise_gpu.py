@@ -15,18 +15,11 @@ from moepass import fp8_recipe
 from moepass.ops import fp8_rowwise_quant as quant
 from moepass.ops.fp8_rowwise_kernels import choose_fp8_rowwise_kernel
 from moepass.options import OPTIONS
-from test_fp8_rowwise_ops import (
-    SQNR_BARS,
-    assert_sqnr,
-    forward_backward,
-    fp32_grouped,
-    fp32_linear,
-    grouped_inputs,
-    linear_inputs,
-    op_grouped,
-    op_linear,
-    sqnr,
-)
+from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
+from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs, linear_reference,
+                     sqnr)
+from helpers import fp8_rowwise_op_grouped as op_grouped
+from helpers import fp8_rowwise_op_linear as op_linear
 
 HAS_CUDA = torch.cuda.is_available()
 CC = torch.cuda.get_device_capability() if HAS_CUDA else (0, 0)
@@ -140,7 +133,7 @@ def test_linear_scaled_mm_matches_emulated_and_clears_bars(case):
     emulated = op_linear(x, w, g, kernel="emulated")
     for name, a, b in zip(("out", "grad input", "grad weight"), got, emulated):
         assert a.shape == b.shape and sqnr(b, a) >= CLOSE_TO_EMULATED_DB, (name, sqnr(b, a))
-    assert_sqnr(fp32_linear(x, w, g), got, SQNR_BARS, f"cuda linear {x_shape} N={n}")
+    assert_sqnr(linear_reference(x, w, g), got, SQNR_BARS, f"cuda linear {x_shape} N={n}")
 
 
 @needs_sm90
@@ -153,7 +146,7 @@ def test_grouped_scaled_mm_matches_emulated_and_clears_bars(case):
     for name, a, b in zip(("out", "grad input", "grad weight"), got, emulated):
         assert a.shape == b.shape and a.stride() == b.stride(), name
         assert sqnr(b, a) >= CLOSE_TO_EMULATED_DB, (name, sqnr(b, a))
-    assert_sqnr(fp32_grouped(x, w_t, offs, g), got, SQNR_BARS, f"cuda grouped {sizes} K={k} N={n}")
+    assert_sqnr(grouped_reference(x, w_t, offs, g), got, SQNR_BARS, f"cuda grouped {sizes} K={k} N={n}")
 
 
 @needs_sm90
@@ -166,7 +159,7 @@ def test_grouped_scaled_mm_tokens_after_last_group_and_empty_groups(wgrad_bf16):
     assert not out[inside:].any() and not grad_x[inside:].any()
     assert not grad_w_t[1].any() and not grad_w_t[3].any()  # empty groups: exactly zero weight grads
     bars = SQNR_BARS if not wgrad_bf16 else (*SQNR_BARS[:2], 40.0)
-    assert_sqnr(fp32_grouped(x[:inside], w_t, offs, g[:inside]), (out[:inside], grad_x[:inside], grad_w_t), bars,
+    assert_sqnr(grouped_reference(x[:inside], w_t, offs, g[:inside]), (out[:inside], grad_x[:inside], grad_w_t), bars,
                 "cuda grouped with trailing tokens")
 
 
@@ -195,9 +188,9 @@ HAS_RECIPE_OPTION = any(o.key == "recipe" for o in OPTIONS)
 @pytest.mark.skipif(not HAS_RECIPE_OPTION, reason="moepass.options has no 'recipe' option yet")
 def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16_on_the_real_kernels():
     import moepass
-    from moepass.data import Batches, load_corpus
+    from moepass.harness.corpus import Batches, load_corpus
     from moepass.models import build_model
-    from moepass.train import train
+    from moepass.harness.train import train
 
     torch.manual_seed(0)
     base = build_model("debug").cuda()
@@ -226,9 +219,9 @@ def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16_on_the_real_ke
 def test_compiled_model_with_bf16_expert_wgrad_trains_on_unaligned_token_groups(recipe):
     """The grouped BF16 wgrad written inline in the backward hit torch._grouped_mm's alignment assert once
     Inductor chose its layouts (16B model, 2xH200); the opaque moepass::grouped_mm_wgrad_bf16 fixes them."""
-    from moepass.data import Batches, load_corpus
+    from moepass.harness.corpus import Batches, load_corpus
     from moepass.models import build_model
-    from moepass.train import train
+    from moepass.harness.train import train
 
     torch.manual_seed(0)
     model = build_model("debug").cuda()
@@ -283,7 +276,7 @@ def test_compiled_decomposed_linear_matches_eager_and_clears_bars(case):
     want = op_linear(x, w, g, kernel="scaled_mm")
     for name, a, b in zip(("out", "grad input", "grad weight"), got, want):
         assert a.shape == b.shape and sqnr(b, a) >= CLOSE_TO_EMULATED_DB, (name, sqnr(b, a))
-    assert_sqnr(fp32_linear(x, w, g), got, SQNR_BARS, f"compiled linear {x_shape} N={n}")
+    assert_sqnr(linear_reference(x, w, g), got, SQNR_BARS, f"compiled linear {x_shape} N={n}")
     graphs = {c["kind"]: c["ops"] for c in audit}
     assert graphs["forward"] == {"aten._scaled_mm": 1} and graphs["backward"] == {"aten._scaled_mm": 2}, graphs
 
@@ -302,7 +295,7 @@ def test_compiled_decomposed_grouped_matches_eager_and_clears_bars(case):
         assert sqnr(b, a) >= CLOSE_TO_EMULATED_DB, (name, sqnr(b, a))
     inside = int(offs[-1])
     assert not got[0][inside:].any() and not got[1][inside:].any()  # trailing tokens: zero, as the op gives
-    assert_sqnr(fp32_grouped(x[:inside], w_t, offs, g[:inside]), (got[0][:inside], got[1][:inside], got[2]),
+    assert_sqnr(grouped_reference(x[:inside], w_t, offs, g[:inside]), (got[0][:inside], got[1][:inside], got[2]),
                 SQNR_BARS, f"compiled grouped {sizes} K={k} N={n}")
     graphs = {c["kind"]: c["ops"] for c in audit}
     assert graphs["forward"] == {"aten._scaled_grouped_mm": 1}, graphs

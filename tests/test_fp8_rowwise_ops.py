@@ -11,29 +11,21 @@ import math
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers the ops before moepass.ops lists them)
 import moepass.ops.fp8_rowwise_linear  # noqa: F401
 from moepass import fp8_recipe
 from moepass.ops.fp8_rowwise_kernels import choose_fp8_rowwise_kernel
 from moepass.options import OPTIONS, OptionsError
-from test_mxfp8_ops import (_block_inputs, _call_targets, _recording_backend, forward_backward,
-                            grouped_inputs, linear_inputs, sqnr)
+from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
+from helpers import (OpsCalled, assert_all_equal, assert_sqnr, block_inputs, call_targets, forward_backward,
+                     grouped_inputs, grouped_reference, linear_inputs, linear_reference, recording_backend, sqnr)
+from helpers import fp8_rowwise_op_grouped as op_grouped
+from helpers import fp8_rowwise_op_linear as op_linear
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
-SQNR_BARS = (25.0, 23.0, 23.0)  # (out, grad input, grad weight) dB, the issue's bars
-
-
-def op_linear(x, w, grad_out, wgrad_bf16=False, kernel="emulated"):
-    return forward_backward(lambda a, b: ops.fp8_rowwise_linear(a, b, None, wgrad_bf16, kernel), grad_out, x, w)
-
-
-def op_grouped(x, w_t, offs, grad_out, wgrad_bf16=False, kernel="emulated"):
-    return forward_backward(lambda a, b, o: ops.fp8_rowwise_grouped_mm(a, b, o, wgrad_bf16, kernel),
-                            grad_out, x, w_t, offs)
 
 
 # ---- a second, independent writing of the recipe: per-row power-of-two scales, e4m3, BF16 GEMM ----
@@ -81,34 +73,6 @@ def hand_grouped(x, w_t, offs, g):
             grad_w_t[e] = hand_matmul(g_colq.t(), g_cols.t(), x_colq, x_cols).t()  # the op's orientation
         start = end
     return out, grad_x, grad_w_t
-
-
-def fp32_linear(x, w, g):
-    x2, w, g2 = x.float().reshape(-1, x.shape[-1]), w.float(), g.float().reshape(-1, w.shape[0])
-    return (x2 @ w.T).reshape(g.shape), (g2 @ w).reshape(x.shape), g2.T @ x2
-
-
-def fp32_grouped(x, w_t, offs, g):
-    x, w_t, g = x.float(), w_t.float(), g.float()
-    out, grad_x, grad_w_t = torch.zeros_like(g), torch.zeros_like(x), torch.zeros_like(w_t)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ w_t[e]
-        grad_x[start:end] = g[start:end] @ w_t[e].T
-        grad_w_t[e] = x[start:end].T @ g[start:end]
-        start = end
-    return out, grad_x, grad_w_t
-
-
-def assert_all_equal(got, want, what):
-    for name, a, b in zip(("out", "grad input", "grad weight"), got, want):
-        assert torch.equal(a, b), f"{what}: {name} differs, max |diff| {(a.float() - b.float()).abs().max()}"
-
-
-def assert_sqnr(refs, outs, bars, what):
-    for name, ref, out, bar in zip(("out", "grad input", "grad weight"), refs, outs, bars):
-        value = sqnr(ref, out)
-        assert value >= bar, f"{what}: {name} SQNR {value:.2f} dB < {bar} dB"
 
 
 # ---- schemas and kernel choice -------------------------------------------------------------------
@@ -180,19 +144,19 @@ GROUPED_SHAPES = [([10, 0, 50, 40], 64, 96), ([33, 31, 70], 256, 128), ([5], 32,
 def test_linear_sqnr(case):
     x_shape, n = LINEAR_SHAPES[case]
     x, w, g = linear_inputs(x_shape, n, seed=100 + case)
-    assert_sqnr(fp32_linear(x, w, g), op_linear(x, w, g), SQNR_BARS, f"linear {x_shape} N={n}")
+    assert_sqnr(linear_reference(x, w, g), op_linear(x, w, g), SQNR_BARS, f"linear {x_shape} N={n}")
 
 
 @pytest.mark.parametrize("case", range(len(GROUPED_SHAPES)))
 def test_grouped_sqnr(case):
     sizes, k, n = GROUPED_SHAPES[case]
     x, w_t, offs, g = grouped_inputs(sizes, k, n, seed=200 + case)
-    assert_sqnr(fp32_grouped(x, w_t, offs, g), op_grouped(x, w_t, offs, g), SQNR_BARS, f"grouped {sizes} K={k} N={n}")
+    assert_sqnr(grouped_reference(x, w_t, offs, g), op_grouped(x, w_t, offs, g), SQNR_BARS, f"grouped {sizes} K={k} N={n}")
 
 
 def test_each_token_group_alone_clears_the_bars():
     x, w_t, offs, g = grouped_inputs([33, 1, 63, 17], 64, 96, seed=250)
-    got, ref = op_grouped(x, w_t, offs, g), fp32_grouped(x, w_t, offs, g)
+    got, ref = op_grouped(x, w_t, offs, g), grouped_reference(x, w_t, offs, g)
     start = 0
     for e, end in enumerate(offs.tolist()):
         rows = slice(start, end)
@@ -204,7 +168,7 @@ def test_each_token_group_alone_clears_the_bars():
 def test_power_of_two_scales_cost_under_one_db_against_exact_scales():
     """Why scales are rounded to 2^k: exact dequantization for well under 1 dB of SQNR."""
     x, w, _ = linear_inputs((256, 512), 256, seed=260)
-    ref = fp32_linear(x, w, torch.zeros(256, 256, dtype=BF16))[0]
+    ref = linear_reference(x, w, torch.zeros(256, 256, dtype=BF16))[0]
 
     def exact_scale(t):
         scale = 448.0 / t.double().abs().amax(1, keepdim=True)
@@ -217,10 +181,10 @@ def test_power_of_two_scales_cost_under_one_db_against_exact_scales():
 
 def test_wgrad_bf16_is_clearly_more_accurate():
     x, w, g = linear_inputs((50, 128), 64, seed=300)
-    ref = fp32_linear(x, w, g)[2]
+    ref = linear_reference(x, w, g)[2]
     assert sqnr(ref, op_linear(x, w, g, wgrad_bf16=True)[2]) > sqnr(ref, op_linear(x, w, g)[2]) + 15
     x, w_t, offs, g = grouped_inputs([33, 0, 31, 70], 128, 64, seed=301)
-    ref = fp32_grouped(x, w_t, offs, g)[2]
+    ref = grouped_reference(x, w_t, offs, g)[2]
     assert sqnr(ref, op_grouped(x, w_t, offs, g, wgrad_bf16=True)[2]) > sqnr(ref, op_grouped(x, w_t, offs, g)[2]) + 15
 
 
@@ -298,12 +262,12 @@ def _moe_block(x, w, bias, w_t, offs, wgrad_bf16):
 
 @pytest.mark.parametrize("wgrad_bf16", [False, True])
 def test_aot_backward_graph_holds_the_quantized_backward_ops(wgrad_bf16):
-    x, w, bias, w_t, offs, g = _block_inputs(seed=700)
+    x, w, bias, w_t, offs, g = block_inputs(seed=700)
     graphs = {}
-    compiled = torch.compile(lambda *a: _moe_block(*a, wgrad_bf16), backend=_recording_backend(graphs), fullgraph=True)
+    compiled = torch.compile(lambda *a: _moe_block(*a, wgrad_bf16), backend=recording_backend(graphs), fullgraph=True)
     forward_backward(compiled, g, x, w, bias, w_t, offs)
-    assert {ops.fp8_rowwise_linear.default, ops.fp8_rowwise_grouped_mm.default} <= _call_targets(graphs["fw"])
-    bw = _call_targets(graphs["bw"])
+    assert {ops.fp8_rowwise_linear.default, ops.fp8_rowwise_grouped_mm.default} <= call_targets(graphs["fw"])
+    bw = call_targets(graphs["bw"])
     assert {ops.fp8_rowwise_linear_dgrad.default, ops.fp8_rowwise_grouped_mm_dgrad.default} <= bw
     wgrads = {ops.fp8_rowwise_linear_wgrad.default, ops.fp8_rowwise_grouped_mm_wgrad.default}
     if wgrad_bf16:
@@ -316,7 +280,7 @@ def test_aot_backward_graph_holds_the_quantized_backward_ops(wgrad_bf16):
 @pytest.mark.parametrize("backend, wgrad_bf16, with_bias", [("aot_eager", False, True), ("aot_eager", True, True),
                                                             ("inductor", False, False)])
 def test_compiled_equals_eager_bit_for_bit(backend, wgrad_bf16, with_bias):
-    x, w, bias, w_t, offs, g = _block_inputs(seed=800)
+    x, w, bias, w_t, offs, g = block_inputs(seed=800)
     bias = bias if with_bias else None
     fn = lambda *a: _moe_block(*a, wgrad_bf16)  # noqa: E731
     torch._dynamo.reset()
@@ -543,17 +507,6 @@ def test_fp8_rowwise_kernel_option(cuda_capability, monkeypatch):
 
 # ---- the passes under recipe="fp8_rowwise" (needs the `recipe` option in moepass.options) ------------
 
-class OpsCalled(TorchDispatchMode):
-    """Records the name ("ns::op") of every op dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.name())
-        return func(*args, **(kwargs or {}))
-
 
 HAS_RECIPE_OPTION = any(o.key == "recipe" for o in OPTIONS)
 needs_recipe_option = pytest.mark.skipif(not HAS_RECIPE_OPTION, reason="moepass.options has no 'recipe' option yet")
@@ -563,7 +516,7 @@ needs_recipe_option = pytest.mark.skipif(not HAS_RECIPE_OPTION, reason="moepass.
 def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
     import moepass
     from moepass.models import build_model
-    from moepass.train import next_token_loss
+    from moepass.harness.train import next_token_loss
 
     torch.manual_seed(0)
     model = build_model("debug")
@@ -593,9 +546,9 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
 def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16():
     import copy
 
-    from moepass.data import Batches, load_corpus
+    from moepass.harness.corpus import Batches, load_corpus
     from moepass.models import build_model
-    from moepass.train import train
+    from moepass.harness.train import train
 
     torch.manual_seed(0)
     base = build_model("debug")

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
-from test_fp8_rowwise_ops import OpsCalled
-from test_mxfp8_ops import grouped_inputs
+from helpers import OpsCalled, grouped_inputs
 
 ops = torch.ops.moepass
 

@@ -10,7 +10,6 @@ replicated parameters, summed over ranks in bf16, within 1/64 of their max (obse
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -20,17 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
+from helpers import free_port
 from moepass.models import MoE, build_model, get_config, load_full_state_dict
 from moepass.models.expert_parallel import shard_experts
 
 VOCAB = 2048
 EXPERT_WEIGHTS = ("experts.w1", "experts.w2", "experts.w3")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_entry(rank: int, world_size: int, port: int, check, args) -> None:
@@ -46,7 +40,7 @@ def _rank_entry(rank: int, world_size: int, port: int, check, args) -> None:
 def run_on_ranks(world_size: int, check, *args, timeout_s: float = 240.0) -> None:
     """Run check(rank, world_size, *args) on gloo ranks; a hang fails after timeout_s."""
     context = mp.start_processes(
-        _rank_entry, args=(world_size, _free_port(), check, args), nprocs=world_size, join=False, start_method="spawn"
+        _rank_entry, args=(world_size, free_port(), check, args), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):  # re-raises a rank's exception

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from moepass.data import Batches, load_corpus
+from moepass.harness.corpus import Batches, load_corpus
+from moepass.harness.train import train
 from moepass.models import build_model
-from moepass.train import train
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -5,117 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from functorch.compile import make_boxed_func
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 from moepass.ops import choose_mxfp8_kernel
+from helpers import MXFP8_GROUPED_SHAPES as GROUPED_SHAPES
+from helpers import MXFP8_LINEAR_SHAPES as LINEAR_SHAPES
+from helpers import MXFP8_SQNR_BARS as SQNR_BARS
+from helpers import (assert_all_equal, assert_sqnr, block_inputs, call_targets, forward_backward, grouped_inputs,
+                     grouped_reference, linear_inputs, linear_reference, recording_backend, sqnr, torchao_grouped,
+                     torchao_linear)
+from helpers import mxfp8_op_grouped as op_grouped
+from helpers import mxfp8_op_linear as op_linear
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
-
-# Bars for the default RCEIL recipe; FLOOR saturates blocks whose amax/scale lands in (448, 512).
-SQNR_BARS = {"rceil": (27.0, 25.0, 24.0), "floor": (25.0, 24.0, 23.0)}  # (out, grad input, grad weight) dB
-
-
-def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref = ref.double()
-    return (20 * torch.log10(ref.norm() / (ref - out.double()).norm())).item()
-
-
-def _torchao():
-    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
-    from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common import KernelPreference
-
-    return _to_mxfp8_then_scaled_mm, _to_mxfp8_then_scaled_grouped_mm, ScaleCalculationMode, KernelPreference
-
-
-# ---- inputs -------------------------------------------------------------------------------------
-
-def linear_inputs(x_shape, n, seed, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    k = x_shape[-1]
-    x = torch.randn(*x_shape, generator=gen).to(device, BF16)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, BF16)
-    grad_out = torch.randn(*x_shape[:-1], n, generator=gen).to(device, BF16)
-    return x, w, grad_out
-
-
-def grouped_inputs(group_sizes, k, n, seed, device="cpu", trailing_tokens=0):
-    """x [M, K], w_t = w.transpose(-2, -1) as torchtitan passes it, offs int32, grad_out [M, N]."""
-    gen = torch.Generator().manual_seed(seed)
-    m = sum(group_sizes) + trailing_tokens
-    x = torch.randn(m, k, generator=gen).to(device, BF16)
-    w_t = (torch.randn(len(group_sizes), n, k, generator=gen) / k**0.5).to(device, BF16).transpose(-2, -1)
-    offs = torch.tensor(group_sizes).cumsum(0).to(device, torch.int32)
-    grad_out = torch.randn(m, n, generator=gen).to(device, BF16)
-    return x, w_t, offs, grad_out
-
-
-def forward_backward(fn, grad_out, *tensors):
-    """fn(*leaves) and d(fn . grad_out)/d(leaves) for fresh leaf copies of `tensors` (None passes through)."""
-    leaves = [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
-    out = fn(*leaves)
-    out.backward(grad_out)
-    return (out.detach(), *[t.grad for t in leaves if t is not None and t.is_floating_point()])
-
-
-def op_linear(x, w, grad_out, scale_rounding="rceil", wgrad_bf16=False, kernel="emulated"):
-    return forward_backward(lambda a, b: ops.mxfp8_linear(a, b, None, scale_rounding, wgrad_bf16, kernel),
-                            grad_out, x, w)
-
-
-def op_grouped(x, w_t, offs, grad_out, scale_rounding="rceil", wgrad_bf16=False, kernel="emulated"):
-    return forward_backward(lambda a, b, o: ops.mxfp8_grouped_mm(a, b, o, scale_rounding, wgrad_bf16, kernel),
-                            grad_out, x, w_t, offs)
-
-
-def torchao_linear(x, w, grad_out, scale_rounding="rceil", wgrad_bf16=False):
-    mm, _, mode, pref = _torchao()
-    return forward_backward(lambda a, b: mm(a, b, pref.EMULATED, mode(scale_rounding), wgrad_with_hp=wgrad_bf16),
-                            grad_out, x, w)
-
-
-def torchao_grouped(x, w_t, offs, grad_out, scale_rounding="rceil", wgrad_bf16=False):
-    _, gmm, mode, pref = _torchao()
-    # offs by keyword: the task notes torchao 0.18 returns None for a positional offs.
-    return forward_backward(lambda a, b: gmm(a, b, offs=offs, kernel_preference=pref.EMULATED,
-                                             scale_calculation_mode=mode(scale_rounding), wgrad_with_hp=wgrad_bf16,
-                                             pad_token_groups_for_grouped_mm=True), grad_out, x, w_t)
-
-
-def linear_reference(x, w, grad_out):
-    """fp32 out, grad_x, grad_w of x @ w.T from the bf16 inputs."""
-    x2, w, g2 = x.float().reshape(-1, x.shape[-1]), w.float(), grad_out.float().reshape(-1, w.shape[0])
-    return (x2 @ w.T).reshape(grad_out.shape), (g2 @ w).reshape(x.shape), g2.T @ x2
-
-
-def grouped_reference(x, w_t, offs, grad_out):
-    """fp32 out, grad_x, grad_w_t of torch._grouped_mm(x, w_t, offs=offs); tokens past offs[-1] give zeros."""
-    x, w_t, grad_out = x.float(), w_t.float(), grad_out.float()
-    out, grad_x, grad_w_t = torch.zeros_like(grad_out), torch.zeros_like(x), torch.zeros_like(w_t)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ w_t[e]
-        grad_x[start:end] = grad_out[start:end] @ w_t[e].T
-        grad_w_t[e] = x[start:end].T @ grad_out[start:end]
-        start = end
-    return out, grad_x, grad_w_t
-
-
-def assert_sqnr(refs, outs, bars, what):
-    values = [sqnr(r, o) for r, o in zip(refs, outs)]
-    for name, value, bar in zip(("out", "grad input", "grad weight"), values, bars):
-        assert value >= bar, f"{what}: {name} SQNR {value:.2f} dB < {bar} dB"
-    return values
-
-
-def assert_all_equal(got, want):
-    for name, g, w in zip(("out", "grad input", "grad weight"), got, want):
-        assert torch.equal(g, w), f"{name} differs from torchao: max |diff| {(g.float() - w.float()).abs().max()}"
 
 
 # ---- schemas -----------------------------------------------------------------------------------
@@ -171,9 +75,6 @@ def test_linear_tokens_not_multiple_of_32_equal_torchao_on_zero_padded_tokens():
 
 
 # ---- accuracy against an fp32 reference of the bf16 inputs ----------------------------------------
-
-LINEAR_SHAPES = [((64, 64), 96), ((2, 48, 128), 64), ((50, 256), 256), ((7, 32), 32)]
-GROUPED_SHAPES = [([10, 0, 50, 40], 64, 96), ([32, 64, 0, 1], 128, 64), ([33, 31, 70], 256, 128), ([5], 32, 32)]
 
 
 @pytest.mark.parametrize("scale_rounding", ["rceil", "floor"])
@@ -282,36 +183,14 @@ def _moe_block(x, w, bias, w_t, offs, wgrad_bf16):
     return ops.mxfp8_grouped_mm(h.reshape(-1, h.shape[-1]), w_t, offs, "rceil", wgrad_bf16, "emulated")
 
 
-def _block_inputs(seed):
-    x, w, _ = linear_inputs((2, 20, 64), 64, seed=seed)
-    _, w_t, offs, g = grouped_inputs([5, 0, 30], 64, 32, seed=seed + 1, trailing_tokens=5)
-    return x, w, torch.randn(64).to(BF16), w_t, offs, g
-
-
-def _recording_backend(graphs):
-    def compiler(kind):
-        def record(gm, example_inputs):
-            graphs[kind] = gm
-            return make_boxed_func(gm.forward)
-        return record
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
-    return backend
-
-
-def _call_targets(gm):
-    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
-
-
 @pytest.mark.parametrize("wgrad_bf16", [False, True])
 def test_aot_backward_graph_holds_the_quantized_backward_ops(wgrad_bf16):
-    x, w, bias, w_t, offs, g = _block_inputs(seed=700)
+    x, w, bias, w_t, offs, g = block_inputs(seed=700)
     graphs = {}
-    compiled = torch.compile(lambda *a: _moe_block(*a, wgrad_bf16), backend=_recording_backend(graphs), fullgraph=True)
+    compiled = torch.compile(lambda *a: _moe_block(*a, wgrad_bf16), backend=recording_backend(graphs), fullgraph=True)
     forward_backward(compiled, g, x, w, bias, w_t, offs)
-    assert {ops.mxfp8_linear.default, ops.mxfp8_grouped_mm.default} <= _call_targets(graphs["fw"])
-    bw = _call_targets(graphs["bw"])
+    assert {ops.mxfp8_linear.default, ops.mxfp8_grouped_mm.default} <= call_targets(graphs["fw"])
+    bw = call_targets(graphs["bw"])
     assert {ops.mxfp8_linear_dgrad.default, ops.mxfp8_grouped_mm_dgrad.default} <= bw
     wgrads = {ops.mxfp8_linear_wgrad.default, ops.mxfp8_grouped_mm_wgrad.default}
     if wgrad_bf16:
@@ -324,7 +203,7 @@ def test_aot_backward_graph_holds_the_quantized_backward_ops(wgrad_bf16):
 @pytest.mark.parametrize("backend, wgrad_bf16, with_bias", [("aot_eager", False, True), ("aot_eager", True, True),
                                                             ("inductor", False, False)])
 def test_compiled_equals_eager_bit_for_bit(backend, wgrad_bf16, with_bias):
-    x, w, bias, w_t, offs, g = _block_inputs(seed=800)
+    x, w, bias, w_t, offs, g = block_inputs(seed=800)
     bias = bias if with_bias else None
     fn = lambda *a: _moe_block(*a, wgrad_bf16)  # noqa: E731
     torch._dynamo.reset()

@@ -7,23 +7,13 @@ import torch
 
 import moepass.ops  # noqa: F401
 from moepass.ops import choose_mxfp8_kernel
-from test_mxfp8_ops import (
-    GROUPED_SHAPES,
-    LINEAR_SHAPES,
-    SQNR_BARS,
-    assert_all_equal,
-    assert_sqnr,
-    forward_backward,
-    grouped_inputs,
-    grouped_reference,
-    linear_inputs,
-    linear_reference,
-    op_grouped,
-    op_linear,
-    sqnr,
-    torchao_grouped,
-    torchao_linear,
-)
+from helpers import MXFP8_GROUPED_SHAPES as GROUPED_SHAPES
+from helpers import MXFP8_LINEAR_SHAPES as LINEAR_SHAPES
+from helpers import MXFP8_SQNR_BARS as SQNR_BARS
+from helpers import (assert_all_equal, assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
+                     linear_reference, sqnr, torchao_grouped, torchao_linear)
+from helpers import mxfp8_op_grouped as op_grouped
+from helpers import mxfp8_op_linear as op_linear
 
 HAS_CUDA = torch.cuda.is_available()
 CC = torch.cuda.get_device_capability() if HAS_CUDA else (0, 0)

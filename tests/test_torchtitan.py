@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ep_ops import RankPools
+from helpers import rank_pool  # noqa: F401  (a fixture)
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is in the [test] extra")
 if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12):
@@ -32,13 +32,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from realstack import torchtitan_ep as tt  # noqa: E402
 
 CHECK_TIMEOUT_S = 600
-
-
-@pytest.fixture(scope="module")
-def rank_pool():
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def _train(titan, backend, options=None, steps=1):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .parity import moving_average
+
 
 def _pyplot():
     try:
@@ -45,8 +47,6 @@ def bench_chart(result: dict, path: str) -> bool:
 
 def loss_curves(result: dict, path: str) -> bool:
     """Training loss per step (raw, faint) and its moving average for each variant; relative gap below."""
-    from .converge import moving_average
-
     plt = _pyplot()
     if plt is None:
         return False

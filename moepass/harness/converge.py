@@ -1,8 +1,6 @@
 """`moepass converge`: BF16 (Inductor) and moepass trained from the same seed on the same batches.
 
-Loss parity is judged on smoothed curves: the final loss of a run is its mean training loss over
-the last `window` steps (both runs see the same batches there), and the largest gap is the worst
-such window anywhere in the run. PASS when the final gap is within --tolerance (relative).
+Loss parity is judged on smoothed curves (parity.py); PASS when the final gap is within --tolerance (relative).
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import time
@@ -18,8 +15,15 @@ import traceback
 
 import torch
 
-from .bench import (BASELINE, ModelSpec, Variant, add_model_arguments, error_summary, model_spec, provenance,
-                    resolve_variants, say)
+from . import plot
+from .corpus import Batches, load_corpus
+from .flags import add_model_arguments, model_spec
+from .model_spec import ModelSpec
+from .output import error_summary, say, write_outputs
+from .parity import compare, loss_gaps
+from .provenance import provenance
+from .train import next_token_loss, train
+from .variants import BASELINE, Variant, resolve_variants
 
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
 NUDGED = f"{BASELINE}-nudged"  # --nudged-baseline: the baseline from weights moved by an ulp or two
@@ -41,61 +45,8 @@ def nudge_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_((p.float() * (1 + NUDGE * sign)).to(p.dtype))
 
 
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Means of every full trailing window: element i covers values[i : i + window]."""
-    if not 1 <= window <= len(values):
-        raise ValueError(f"window {window} must be in [1, {len(values)}]")
-    out, acc = [], sum(values[:window])
-    out.append(acc / window)
-    for i in range(window, len(values)):
-        acc += values[i] - values[i - window]
-        out.append(acc / window)
-    return out
-
-
-def loss_gaps(baseline: list[float], candidate: list[float], window: int) -> dict:
-    """Relative gaps |candidate - baseline| / baseline of the moving-average losses."""
-    if len(baseline) != len(candidate):
-        raise ValueError(f"curves differ in length: {len(baseline)} vs {len(candidate)}")
-    w = min(window, len(baseline))
-    gaps = [abs(c - b) / b for b, c in zip(moving_average(baseline, w), moving_average(candidate, w))]
-    worst = max(range(len(gaps)), key=gaps.__getitem__)
-    return {"final_loss_gap_rel": gaps[-1], "max_window_gap_rel": gaps[worst],
-            "max_window_gap_end_step": worst + w, "window_used": w}
-
-
-def worst(gaps: list[float]) -> float | None:
-    """The largest gap; NaN (a diverged run) wins, None when nothing was compared."""
-    if not gaps:
-        return None
-    return math.nan if any(math.isnan(g) for g in gaps) else max(gaps)
-
-
-def compare(runs: dict, names: list[str], window: int, tolerance: float, baseline: str = BASELINE) -> dict:
-    """Add gaps and pass to each compared run; return the verdict (worst gaps, overall pass).
-
-    Fails when any run failed or diverged (NaN gap).
-    """
-    base = runs[baseline]
-    compared = [runs[n] for n in names if runs[n]["status"] == "ok" and base["status"] == "ok"]
-    for run in compared:
-        run.update(loss_gaps(base["loss"], run["loss"], window))
-        run["val_loss_gap_rel"] = abs(run["val_loss"] - base["val_loss"]) / base["val_loss"]
-        run["pass"] = run["final_loss_gap_rel"] <= tolerance  # NaN compares False: a diverged run fails
-    for run in runs.values():
-        if run["status"] == "ok":
-            run["final_loss"] = statistics.mean(run["loss"][-min(window, len(run["loss"])):])
-            run["last_loss"] = run["loss"][-1]
-    return {"final_loss_gap_rel": worst([r["final_loss_gap_rel"] for r in compared]),
-            "max_window_gap_rel": worst([r["max_window_gap_rel"] for r in compared]),
-            "window": window, "tolerance": tolerance, "criterion": "final_loss_gap_rel <= tolerance",
-            "pass": len(compared) == len(names) and all(r["pass"] for r in compared)}
-
-
 def validation_loss(forward, batches, n: int, device: torch.device) -> float:
     """Mean loss over n held-out batches through the training forward (grad on: reuses the compiled graph)."""
-    from .train import next_token_loss
-
     losses = []
     for i in range(n):
         inputs, targets = (t.to(device) for t in batches[i])
@@ -105,8 +56,6 @@ def validation_loss(forward, batches, n: int, device: torch.device) -> float:
 
 def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, steps: int, lr: float, lr_warmup: int,
                   seed: int, device: torch.device, val_n: int, log_every: int, nudge: bool = False) -> dict:
-    from .train import train
-
     entry = {"backend": variant.backend or "eager", "options": variant.options}
     start = time.perf_counter()
     try:
@@ -152,10 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_converge(args) -> int:
-    from . import plot
-    from .bench import write_outputs
-    from .data import Batches, load_corpus
-
     names = [n.strip() for n in args.variants.split(",") if n.strip() and n.strip() != BASELINE]
     variants = resolve_variants([BASELINE, *names], json.loads(args.options) if args.options else None)
     if args.window < 1 or args.steps < 1:

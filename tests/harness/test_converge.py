@@ -1,0 +1,126 @@
+"""`moepass converge` end to end on CPU (tiny model, few steps); the loss-gap arithmetic is in test_parity.py."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TINY
+from moepass.harness import converge
+from moepass.harness.parity import loss_gaps
+
+STEPS, WINDOW, TOLERANCE = 8, 3, 0.05
+
+
+@pytest.fixture(scope="module")
+def converge_run(tmp_path_factory):
+    """One CLI run (BF16 Inductor vs all moepass passes) on the default data: the stdlib's source."""
+    out = tmp_path_factory.mktemp("converge")
+    argv = [sys.executable, "-m", "moepass.cli", "converge", "--model-overrides", json.dumps(TINY),
+            "--batch", "2", "--seq", "32", "--steps", str(STEPS), "--window", str(WINDOW),
+            "--val-batches", "2", "--tolerance", str(TOLERANCE), "--device", "cpu", "--repeat-baseline", "--nudged-baseline",
+            "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "converge.json") as f:
+        return json.load(f), proc, out
+
+
+def test_json_schema(converge_run):
+    result, _, _ = converge_run
+    assert result["schema"] == "moepass.converge/1"
+    assert set(result["variants"]) == {"inductor", "moepass", "inductor-rerun", "inductor-nudged"}
+    assert result["baseline"] == "inductor" and result["window"] == WINDOW and result["tolerance"] == TOLERANCE
+    assert result["config"]["data"] == "stdlib" and result["config"]["steps"] == STEPS
+    for key in ("hardware", "versions", "commit", "command"):
+        assert key in result
+    assert result["variants"]["moepass"]["options"]["passes"] == ["deepep", "mxfp8_grouped_mm", "mxfp8_linear"]
+    assert result["variants"]["inductor"]["backend"] == "inductor"
+
+
+def test_curves_are_sane_and_start_from_the_same_model(converge_run):
+    result, _, _ = converge_run
+    curves = {n: v["loss"] for n, v in result["variants"].items()}
+    for name, v in result["variants"].items():
+        assert v["status"] == "ok", v.get("error")
+        assert len(v["loss"]) == STEPS and all(math.isfinite(x) and x > 0 for x in v["loss"])
+        assert math.isfinite(v["val_loss"]) and v["val_loss"] > 0
+        assert v["final_loss"] == pytest.approx(sum(v["loss"][-WINDOW:]) / WINDOW)
+    # same weights and same first batch: only MXFP8 rounding separates step 0
+    assert curves["moepass"][0] == pytest.approx(curves["inductor"][0], rel=0.01)
+    # the byte-level model learns something in a few steps
+    assert min(curves["inductor"][-WINDOW:]) < curves["inductor"][0]
+
+
+def test_gaps_recomputed_from_the_curves(converge_run):
+    result, _, _ = converge_run
+    base, cand = result["variants"]["inductor"]["loss"], result["variants"]["moepass"]["loss"]
+    windows = [(sum(cand[i:i + WINDOW]) / WINDOW, sum(base[i:i + WINDOW]) / WINDOW)
+               for i in range(STEPS - WINDOW + 1)]
+    gaps = [abs(c - b) / b for c, b in windows]
+    assert result["final_loss_gap_rel"] == pytest.approx(gaps[-1])
+    assert result["max_window_gap_rel"] == pytest.approx(max(gaps))
+    assert result["variants"]["moepass"]["final_loss_gap_rel"] == pytest.approx(gaps[-1])
+
+
+def test_repeated_baseline_measures_the_noise_floor(converge_run):
+    result, proc, _ = converge_run
+    base, rerun = result["variants"]["inductor"], result["variants"]["inductor-rerun"]
+    # CPU Inductor is deterministic: the rerun repeats the baseline exactly, so the floor is 0
+    assert rerun["loss"] == base["loss"] and result["noise_floor_gap_rel"] == 0.0
+    assert "against its own rerun: 0.000%" in proc.stdout
+    assert "pass" not in rerun  # the rerun never decides the verdict
+
+
+def test_nudged_baseline_measures_how_far_an_insignificant_change_drifts(converge_run):
+    result, proc, _ = converge_run
+    base, nudged = result["variants"]["inductor"], result["variants"]["inductor-nudged"]
+    assert nudged["loss"] != base["loss"]  # the weights moved, so the curve does
+    assert nudged["loss"][0] == pytest.approx(base["loss"][0], rel=0.01)  # but by a rounding's worth
+    gaps = loss_gaps(base["loss"], nudged["loss"], WINDOW)
+    assert gaps["final_loss_gap_rel"] > 0 and result["nudged_floor_gap_rel"] == pytest.approx(gaps["final_loss_gap_rel"])
+    assert f"itself from weights nudged by an ulp: {gaps['final_loss_gap_rel'] * 100:.3f}%" in proc.stdout
+    assert "pass" not in nudged  # a floor never decides the verdict
+
+
+def test_nudge_moves_every_float_weight_by_one_or_two_bf16_ulps_reproducibly():
+    import torch
+
+    def nudged(seed):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Embedding(10, 8)).to(torch.bfloat16)
+        before = [p.detach().clone() for p in m.parameters()]
+        converge.nudge_weights(m, seed)
+        return before, [p.detach().clone() for p in m.parameters()]
+
+    before, after = nudged(1)
+    for b, a in zip(before, after):
+        nonzero = b != 0
+        rel = ((a.float() - b.float()) / b.float())[nonzero].abs()
+        assert (a[nonzero] != b[nonzero]).all() and rel.max() <= 2 * 2.0**-7 and rel.min() >= 2.0**-9
+    assert all(torch.equal(x, y) for x, y in zip(after, nudged(1)[1]))
+    assert not all(torch.equal(x, y) for x, y in zip(after, nudged(2)[1]))
+
+
+def test_verdict_matches_tolerance_and_exit_code(converge_run):
+    result, proc, _ = converge_run
+    assert result["pass"] == (result["final_loss_gap_rel"] <= TOLERANCE)
+    assert proc.returncode == (0 if result["pass"] else 1)
+    line = re.search(r"^(PASS|FAIL): final-loss gap ([\d.]+)%", proc.stdout, re.M)
+    assert line and line.group(1) == ("PASS" if result["pass"] else "FAIL")
+    assert float(line.group(2)) == pytest.approx(100 * result["final_loss_gap_rel"], abs=1e-3)
+
+
+def test_progress_and_plot(converge_run):
+    _, proc, out = converge_run
+    assert re.search(r"moepass +step +8/8 +loss", proc.stdout)
+    png = out / "converge.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "PNG skipped" in proc.stdout and not png.exists()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
