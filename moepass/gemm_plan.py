@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from .fp8_recipe import fp8_rowwise_kernel, fp8_rowwise_wgrad_bf16, recipe_shape_problem, resolve_recipe
+from .graph import replace_node
 from .mxfp8_rules import choose_kernel
 
 
@@ -46,3 +47,13 @@ def plan_gemm(config, kind: str, device: torch.device, m, k: int, n: int, expert
         why, args = f"{why}; {wgrad_why}", (wgrad_bf16, kernel)
     op_name = f"{recipe}_{'linear' if kind == 'linear' else 'grouped_mm'}"
     return GemmPlan(recipe, why, kernel, kernel_why, op_name, args)
+
+
+def apply_plan(record, graph, node, module: str, plan: GemmPlan | str, operands: tuple, shape: str) -> None:
+    """Put the plan's op on `operands` in place of `node` and record it; a str plan is the reason it stays."""
+    if isinstance(plan, str):
+        record.skip(node, module, plan)
+        return
+    record.implementations[plan.kernel] = plan.kernel_why
+    replace_node(graph, node, plan.op, (*operands, *plan.recipe_args))
+    record.replace(node, module, f"moepass.{plan.op_name}", f"{shape} {plan.detail}")

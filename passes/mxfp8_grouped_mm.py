@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 from moepass.analysis.scopes import Scope, graph_scopes
-from moepass.graph import is_grouped_mm, module_path, node_arg, replace_node, tensor_meta
-from moepass.gemm_plan import plan_gemm
+from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
+from moepass.gemm_plan import apply_plan, plan_gemm
 from moepass.mxfp8_rules import dtype_problem, module_filter_problem
 
 NAME = "mxfp8_grouped_mm"
@@ -82,9 +82,4 @@ def _rewrite(m: GroupedMMMatch, config, record) -> None:
     x = tensor_meta(m.x)
     e, k, n = tensor_meta(m.w_t).shape
     plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e)
-    if isinstance(plan, str):
-        record.skip(m.node, m.module, plan)
-        return
-    record.implementations[plan.kernel] = plan.kernel_why
-    replace_node(m.scope.graph, m.node, plan.op, (m.x, m.w_t, m.offs, *plan.recipe_args))
-    record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"E={e} K={k} N={n} {plan.detail}")
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}")

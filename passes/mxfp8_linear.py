@@ -20,8 +20,8 @@ from torch import fx
 
 from moepass.analysis.scopes import Scope, dataflow, graph_scopes
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
-                           replace_node, tensor_meta)
-from moepass.gemm_plan import plan_gemm
+                           tensor_meta)
+from moepass.gemm_plan import apply_plan, plan_gemm
 from moepass.mxfp8_rules import dtype_problem, module_filter_problem
 
 NAME = "mxfp8_linear"
@@ -162,9 +162,4 @@ def _rewrite(m: LinearMatch, config, record) -> None:
     x = tensor_meta(m.x)
     n, k = tensor_meta(m.weight).shape
     plan = plan_gemm(config, "linear", x.device, math.prod(x.shape[:-1]), k, n)
-    if isinstance(plan, str):
-        record.skip(m.node, m.module, plan)
-        return
-    record.implementations[plan.kernel] = plan.kernel_why
-    replace_node(m.scope.graph, m.node, plan.op, (m.x, m.weight, m.bias, *plan.recipe_args))
-    record.replace(m.node, m.module, f"moepass.{plan.op_name}", f"K={k} N={n} {plan.detail}")
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.weight, m.bias), f"K={k} N={n}")
