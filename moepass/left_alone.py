@@ -33,6 +33,7 @@ ROWS: tuple[LeftAlone, ...] = (
               "train in bfloat16 (`model.to(torch.bfloat16)`)"),
     LeftAlone("both", "not a multiple of", "the kernels need K and N in whole blocks (32 for MXFP8, 16 for FP8 "
               "rowwise)", "pad the hidden or intermediate size"),
+    LeftAlone("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-"),
     LeftAlone("mxfp8_linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-"),
     LeftAlone("mxfp8_grouped_mm", "only the MoE form", "a grouped GEMM that is not x[M,K] @ w[E,K,N] with group "
               "offsets (a batched 3-D x 3-D product)", "-"),

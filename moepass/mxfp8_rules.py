@@ -32,7 +32,9 @@ def dtype_problem(**tensors: torch.Tensor | None) -> str | None:
 
 
 def shape_problem(k: int, n: int, multiple: int = BLOCK) -> str | None:
-    """None when K and N are multiples of `multiple` (the kernels' alignment), else what is off."""
+    """None when K and N are positive multiples of `multiple` (the kernels' alignment), else what is off."""
+    if k == 0 or n == 0:  # 0 is a multiple of anything, but there is nothing to quantize (a zero-width expert)
+        return f"empty GEMM (K={k}, N={n}): nothing to quantize"
     bad = [f"{name}={v} not a multiple of {multiple}" for name, v in (("K", k), ("N", n))
            if not isinstance(v, int) or v % multiple]
     return ", ".join(bad) if bad else None

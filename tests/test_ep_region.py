@@ -268,11 +268,9 @@ SKIPS = [
     pytest.param("expert_scale_after_combine", {}, "combine",
                  "no [16, 64] result computed from the returned rows, expert ids and one routing-weight tensor",
                  id="expert_scale_after_combine"),
-    pytest.param(None, {"hidden": 1}, "tokens", "hidden size 1 < 2: too narrow to check which of the 16 tokens",
+    # a fixed bar (1 + 8 digit columns), not one that depends on this rank's token count: ranks must agree
+    pytest.param(None, {"hidden": 8}, "tokens", "hidden size 8 < 9: too narrow to check which token each row",
                  id="narrow_hidden"),
-    # 16 local experts: one sample receives more than 16 rows, whose numbers need 2 base-16 digits + 1 column
-    pytest.param(None, {"hidden": 2, "top_k": 3, "experts": 16}, "tokens",
-                 "received rows of width 2 are too narrow to check the expert-major order", id="narrow_received"),
     pytest.param("scaled_send", {}, "tokens",
                  "rows or counts sent are not computed from x, expert ids and weights alone", id="scaled_send"),
     pytest.param("capacity_drops_slots", {}, "counts", "counts sent are not the number of top-k slots per expert",

@@ -58,3 +58,25 @@ def test_readme_lists_what_moepass_leaves_alone_as_generated():
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     assert left_alone_table_markdown() in readme, "stale: paste moepass.left_alone.left_alone_table_markdown()"
+
+
+def test_zero_width_gemms_are_left_alone():
+    """A zero-width shared expert (N=0, then K=0): 0 is a multiple of 32, but there is nothing to quantize."""
+
+    class ZeroWidth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(64, 0, bias=False).bfloat16()
+            self.down = nn.Linear(0, 64, bias=False).bfloat16()
+            self.ok = nn.Linear(64, 64, bias=False).bfloat16()
+
+        def forward(self, x):
+            return x + self.down(self.up(x)) + self.ok(x)
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    report = moepass.inspect(ZeroWidth(), x, options={"mxfp8.keep_output_head_bf16": False, "inductor": False})
+    linear = {p["name"]: p for p in report.to_dict()["passes"]}["mxfp8_linear"]
+    reasons = {s["module"]: s["reason"] for s in linear["skipped"]}
+    assert set(reasons) == {"up", "down"} and all("empty GEMM" in r for r in reasons.values()), reasons
+    assert [r["module"] for r in linear["rewrites"]] == ["ok"]
+    assert all(explain(r) is not None for r in reasons.values())

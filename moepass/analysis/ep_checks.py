@@ -33,24 +33,40 @@ _DIGIT_BASE = 16  # token-index digits: exact in bf16 even after a 0.5 or 2 weig
 
 def check_region(gm: fx.GraphModule, region: EPRegion) -> None:
     """Fill in the experts' output and counts, and decide where the weights apply; raise Mismatch if any
-    joint does not compute what the DeepEP rewrite assumes."""
-    if region.num_tokens == 0:
-        raise Mismatch(region.token_a2a.node, "traced with no tokens (T=0): the region cannot be checked on samples; "
-                                              "it runs unchanged (a batch with tokens compiles its own graph)")
-    digits = token_digits(region.num_tokens)
+    joint does not compute what the DeepEP rewrite assumes.
+
+    Every rank of the group must decide alike, or they run different collectives and hang: nothing here may
+    depend on this rank's token count beyond what is checked on every rank (an empty batch is checked too).
+    """
     if region.topk_weights is None or region.tokens_out is None:
         raise Mismatch(region.combine_a2a.node, "the region's result and routing weights were not identified")
-    if region.hidden < 1 + digits:
-        raise Mismatch(region.token_a2a.node, f"hidden size {region.hidden} < {1 + digits}: too narrow to check "
-                                              f"which of the {region.num_tokens} tokens each row carries")
+    if region.hidden < 1 + MAX_TOKEN_DIGITS:  # a fixed bar: the token count differs between ranks
+        raise Mismatch(region.token_a2a.node, f"hidden size {region.hidden} < {1 + MAX_TOKEN_DIGITS}: too narrow "
+                                              "to check which token each row carries")
+    if region.num_tokens == 0:
+        # an empty batch (this rank's alone, maybe): what it sends and its result are empty whatever the index
+        # code does; the rows other ranks send here are checked as usual, and where the weights go is read off
+        # the graph (weights found on the sent rows), as the other ranks' checks find it
+        region.weights_applied = "before_experts" if region.weights_on_sent_rows else "after_experts"
+        _check_receive_side(gm, region)
+        return
     slots = _check_send_side(gm, region)
+    if (region.weights_applied == "before_experts") != region.weights_on_sent_rows:
+        raise Mismatch(region.token_a2a.node, "routing weights reach the rows sent but do not scale them (or the "
+                                              "reverse)", stage=SEND)
     _check_receive_side(gm, region)
     _check_tokens_out(gm, region, slots)
     region.checked_routings = NUM_ROUTINGS
 
 
+MAX_TOKEN_DIGITS = 8  # base-16 digits: up to 2**32 tokens per rank
+
+
 def token_digits(num_tokens: int) -> int:
-    return max(1, math.ceil(math.log(max(num_tokens, 2), _DIGIT_BASE)))
+    digits = max(1, math.ceil(math.log(max(num_tokens, 2), _DIGIT_BASE)))
+    if digits > MAX_TOKEN_DIGITS:
+        raise ValueError(f"{num_tokens} rows need more than {MAX_TOKEN_DIGITS} base-16 digits")
+    return digits
 
 
 # ---------------------------------------------------------------- samples
@@ -214,10 +230,7 @@ def _check_receive_side(gm, region: EPRegion) -> None:
     samples = []
     for received in received_counts(region.group_size, local):
         num_rows = int(received.sum())
-        if width < 1 + token_digits(num_rows):
-            raise Mismatch(tok.node, f"received rows of width {width} are too narrow to check the expert-major order",
-                           stage=RECEIVE)
-        rows = x_sample(num_rows, width, device)  # row j carries j in its digits
+        rows = x_sample(num_rows, width, device)  # row j carries j in its digits (width >= 9: check_region)
         leaves = _leaves(region, {counts.result: received, tok.result: rows})
         try:
             grouped, *splits = _evaluate(region, gm, [region.expert_input, *out_split_nodes], leaves,

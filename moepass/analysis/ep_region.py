@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import sympy
 import torch
 from torch import fx
 
@@ -62,6 +63,7 @@ class EPRegion:
     tokens_out: fx.Node | None  # sum over each token's K expert rows (weighted or not), T rows of D
     weights_applied: str = ""  # "before_experts" or "after_experts"
     checked_routings: int = 0
+    weights_on_sent_rows: bool = False  # a [T, K] weight tensor reaches the rows sent (read off the graph)
     token_count: object = None  # T as the graph holds it: an int, or an expression of size symbols
     symbols: dict = dataclasses.field(default_factory=dict)  # size symbol -> the value the checks used
 
@@ -248,9 +250,15 @@ def identify_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundar
         return token_rows(n, tokens, top_k) and before_tokens_sent(n)
 
     # weights applied to the sent rows come first: the router path behind them also reaches x. The search
-    # stops at token rows (x and anything like it), behind which lie earlier layers' weights
-    token_like = {n for n in ancestors(tok.input, boundary) if token_rows(n, tokens, hidden)}
-    weights_pre = set(nearest_ancestors(tok.input, is_weights, stop=[ids, *token_like]))
+    # stops at token rows (x and anything like it), behind which lie earlier layers' weights. An empty batch
+    # (T=0) makes every empty tensor look like token rows: there weights must be shaped exactly like the ids
+    if tokens == 0:
+        token_like, like_ids = set(), {ids_shape, (sympy.Integer(0), ids_shape[-1])}
+        weights_pre = set(nearest_ancestors(tok.input, lambda n: is_weights(n) and shape_exprs(n) in like_ids,
+                                            stop=[ids]))
+    else:
+        token_like = {n for n in ancestors(tok.input, boundary) if token_rows(n, tokens, hidden)}
+        weights_pre = set(nearest_ancestors(tok.input, is_weights, stop=[ids, *token_like]))
 
     def is_x(n):
         return token_rows(n, tokens, hidden) and before_tokens_sent(n) and ids not in ancestors(n, boundary | {ids})
@@ -267,7 +275,7 @@ def identify_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundar
         raise Mismatch(tok.node, f"token count or hidden size cannot be sampled: {e}")
     region = EPRegion(module_path(tok.node), counts, tok, comb, x, ids, None, num_tokens, top_k, width,
                       num_experts, num_ranks, tok.group_name, _expert_input(tok, counts, comb), None, None, None,
-                      token_count=tokens, symbols=symbols)
+                      weights_on_sent_rows=bool(weights_pre), token_count=tokens, symbols=symbols)
     region.tokens_out, region.topk_weights = _find_tokens_out(region, weights_pre, is_weights, hidden)
     region.module = module_path(region.tokens_out) or region.module
     out_shape = shape_exprs(region.tokens_out)
