@@ -81,8 +81,6 @@ ROWS: tuple[LeftAlone, ...] = (
               "rows with one routing-weight tensor (e.g. no routing weights at all)", "-"),
     LeftAlone("deepep", "inside the EP region) is also used by", "a value between the two exchanges is read "
               "outside the region (logged, stored, returned)", "read it outside the compiled region, or drop it"),
-    LeftAlone("deepep", "traced with no tokens", "an empty batch (T=0) compiles a graph of its own, with nothing "
-              "to check the region on", "-"),
     LeftAlone("deepep", "too narrow", "rows narrower than the digits that identify a token in the checks", "-"),
     LeftAlone("deepep", "dynamic token count is neither", "a dynamic-shape result shaped neither [T, D] nor like x",
               "-"),
