@@ -22,7 +22,7 @@ from .model_spec import ModelSpec
 from .output import error_summary, say, write_outputs
 from .parity import compare, loss_gaps
 from .provenance import provenance
-from .train import next_token_loss, train
+from .train import train, with_loss
 from .variants import BASELINE, Variant, resolve_variants
 
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
@@ -45,12 +45,12 @@ def nudge_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_((p.float() * (1 + NUDGE * sign)).to(p.dtype))
 
 
-def validation_loss(forward, batches, n: int, device: torch.device) -> float:
-    """Mean loss over n held-out batches through the training forward (grad on: reuses the compiled graph)."""
+def validation_loss(loss_of, batches, n: int, device: torch.device) -> float:
+    """Mean loss over n held-out batches through the training step's loss (grad on: reuses the compiled graph)."""
     losses = []
     for i in range(n):
         inputs, targets = (t.to(device) for t in batches[i])
-        losses.append(next_token_loss(forward(inputs), targets).item())
+        losses.append(loss_of(inputs, targets).item())
     return statistics.mean(losses)
 
 
@@ -63,15 +63,16 @@ def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, st
         model = spec.build(seed, device)
         if nudge:
             nudge_weights(model, seed + 1)
-        forward = variant.compile(model)
+        loss_of = variant.compile(with_loss(model))  # the loss compiled with the model, as `moepass bench` runs it
 
         def on_step(r) -> None:
             if r.step == 0 or (r.step + 1) % log_every == 0 or r.step + 1 == steps:
                 say(f"  {variant.name:<18} step {r.step + 1:>5}/{steps}  loss {r.loss:8.4f}  {r.seconds * 1e3:9.1f} ms")
 
-        results = train(model, forward, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup)
+        results = train(model, loss_of, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup,
+                        loss_included=True)
         entry.update(status="ok", loss=[r.loss for r in results],
-                     val_loss=validation_loss(forward, val_batches, val_n, device))
+                     val_loss=validation_loss(loss_of, val_batches, val_n, device))
     except Exception as e:  # noqa: BLE001 - report the failure, compare what did run
         traceback.print_exc()
         entry.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])

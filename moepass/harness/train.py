@@ -14,6 +14,15 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
+def with_loss(forward: Callable) -> Callable:
+    """forward(tokens) -> logits as (tokens, targets) -> loss: compiled, the loss joins the model's graph."""
+
+    def loss_of(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(forward(tokens), targets)
+
+    return loss_of
+
+
 @dataclasses.dataclass
 class StepResult:
     step: int
@@ -28,9 +37,11 @@ def synchronize(device: torch.device) -> None:
 
 def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device: torch.device,
           lr: float = 3e-4, on_step: Callable[[StepResult], None] | None = None,
-          optimizer: torch.optim.Optimizer | None = None, lr_warmup: int = 0) -> list[StepResult]:
+          optimizer: torch.optim.Optimizer | None = None, lr_warmup: int = 0,
+          loss_included: bool = False) -> list[StepResult]:
     """Run `steps` optimizer steps of `forward(tokens) -> logits`; time each step to the device's end.
 
+    loss_included: `forward(tokens, targets)` returns the loss itself (`with_loss`, compiled with the model).
     lr_warmup: the learning rate ramps linearly over the first lr_warmup steps, then stays at its value.
     """
     opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -43,7 +54,7 @@ def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device
         inputs, targets = (t.to(device, non_blocking=True) for t in batches[i])
         synchronize(device)
         start = time.perf_counter()
-        loss = next_token_loss(forward(inputs), targets)
+        loss = forward(inputs, targets) if loss_included else next_token_loss(forward(inputs), targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ import json
 import torch
 
 from ..options import PIPELINE, Config
+from .peers import PEERS, convert_to_peer, inductor_patches, peer_problem
 
 BASELINE = "inductor"  # BF16 through Inductor: what every speedup and loss gap is measured against
 
@@ -19,16 +20,30 @@ class Variant:
     name: str
     backend: str | None  # None: eager, no torch.compile
     options: dict | None = None
+    peer: str | None = None  # a peer recipe (peers.PEERS) the model is converted to before compiling
 
-    def compile(self, model: torch.nn.Module):
+    def problem(self, device: torch.device) -> str | None:
+        """Why this variant cannot run on `device`, or None."""
+        return peer_problem(self.peer, device) if self.peer else None
+
+    def prepare(self, model: torch.nn.Module) -> dict | None:
+        """Convert the freshly built model for a peer recipe (before its optimizer is built); what changed."""
+        return convert_to_peer(self.peer, model) if self.peer else None
+
+    def inductor_config(self) -> dict:
+        """Inductor config this variant compiles under (what torchtitan sets for the peer recipe)."""
+        return inductor_patches(self.peer) if self.peer else {}
+
+    def compile(self, fn):
+        """`fn` (a module or a function) compiled as this variant runs it."""
         if self.backend is None:
-            return model
+            return fn
         kwargs = {"options": dict(self.options)} if self.options is not None else {}
-        return torch.compile(model, backend=self.backend, **kwargs)
+        return torch.compile(fn, backend=self.backend, **kwargs)
 
 
 def variant_names() -> list[str]:
-    return ["eager", "inductor", *PIPELINE, "all"]
+    return ["eager", "inductor", *PIPELINE, "all", *PEERS]
 
 
 def default_variant_names(ep: int) -> list[str]:
@@ -60,6 +75,8 @@ def resolve_variants(names: list[str], options: dict | None = None,
             out.append(Variant(n, None))
         elif n == "inductor":
             out.append(Variant(n, "inductor"))
+        elif n in PEERS:  # what users run instead: torchtitan's torchao recipe, compiled by Inductor
+            out.append(Variant(n, "inductor", peer=n))
         else:
             passes = list(PIPELINE) if n in ("all", "moepass") else [n]
             out.append(Variant(n, "moepass", {**options, "passes": passes}))

@@ -1,0 +1,94 @@
+"""What users would run instead of moepass: torchtitan 0.3.0's low-precision recipes, applied with torchao.
+
+`torchao_fp8` is torchtitan's Hopper recipe (its `deepseek_v3_671b_float8` config): every linear through
+`convert_to_float8_training` with the "rowwise" recipe except the router gates and the output head, and the
+routed experts' grouped GEMMs through `quantize_(..., Float8TrainingOpConfig)`, with token groups padded to
+16 rows (torchtitan pads in its dispatcher; torchao pads inside the op here, the same padding). As
+torchtitan's float8 converter does, the rowwise recipe turns on Inductor's `emulate_precision_casts`.
+`torchao_mxfp8` is its Blackwell recipe: torchao's MXFP8 linears and MXFP8 expert GEMMs (RCEIL scales),
+token groups padded to 32. Both are then compiled by plain Inductor, as torchtitan compiles them.
+
+The weights become torchao tensor subclasses, so AdamW needs `foreach=True` (torch otherwise falls back to a
+per-parameter loop for every parameter once one is a subclass); the bench's optimizer passes it for all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# torchtitan's deepseek_v3 float8 config: filter_fqns=["lm_head", "router.gate"]; this model calls its head "output"
+KEEP_BF16 = ("lm_head", "output", "router.gate")
+PEERS = {"torchao_fp8": (8, 9), "torchao_mxfp8": (10, 0)}  # least compute capability each needs
+
+
+def peer_problem(name: str, device: torch.device) -> str | None:
+    """Why peer variant `name` cannot run on `device`, or None."""
+    need = PEERS[name]
+    if device.type != "cuda":
+        return f"{name} needs a CUDA GPU of sm_{need[0]}{need[1]} or newer (torchao's FP8 kernels); device is {device}"
+    cc = torch.cuda.get_device_capability(device)
+    if cc < need:
+        return f"{name} needs sm_{need[0]}{need[1]} or newer; this GPU is sm_{cc[0]}{cc[1]}"
+    if name == "torchao_fp8" and cc[0] != 9 and cc < (10, 0):
+        return f"{name}: torchao's FP8 grouped GEMM needs sm_90 or sm_100+; this GPU is sm_{cc[0]}{cc[1]}"
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return f"{name} needs torchao (pip install torchao==0.18.0)"
+    return None
+
+
+def _is_expert_module(module: nn.Module, fqn: str) -> bool:
+    """A module holding 3-D expert weights run through torch._grouped_mm (torchtitan: `GroupedExperts`)."""
+    params = list(module.parameters(recurse=False))
+    return bool(params) and all(p.dim() == 3 for p in params)
+
+
+def _keeps_linear(module: nn.Module, fqn: str) -> bool:
+    """torchtitan's float8 module filter: nn.Linear, both dims multiples of 16, not a filtered FQN."""
+    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and not any(name in fqn for name in KEEP_BF16))
+
+
+def convert_to_peer(name: str, model: nn.Module) -> dict:
+    """Convert `model` in place to peer recipe `name`; returns what was converted (for the bench JSON)."""
+    from torchao.quantization.quant_api import quantize_
+
+    linears = [fqn for fqn, m in model.named_modules() if _keeps_linear(m, fqn)]
+    experts = [fqn for fqn, m in model.named_modules() if _is_expert_module(m, fqn)]
+    if name == "torchao_fp8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=_keeps_linear)
+        quantize_(model, config=Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True),
+                  filter_fn=_is_expert_module)
+    elif name == "torchao_mxfp8":
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+        for fqn in linears:  # torchtitan's MXFP8LinearConverter builds MXFP8Linear (an nn.Linear) in their place
+            linear = model.get_submodule(fqn)
+            linear.__class__ = MXFP8Linear
+            linear.kernel_preference, linear.scale_calculation_mode, linear.wgrad_with_hp = _mxfp8_linear_defaults()
+        op_config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe("mxfp8_rceil"))
+        op_config.pad_token_groups_for_grouped_mm = True  # torchtitan: pad_multiple=32 in its dispatcher
+        quantize_(model, config=op_config, filter_fn=_is_expert_module)
+    else:
+        raise ValueError(f"moepass: unknown peer variant {name!r}; known: {sorted(PEERS)}")
+    return {"linears": len(linears), "expert_modules": len(experts), "kept_bf16": list(KEEP_BF16)}
+
+
+def _mxfp8_linear_defaults() -> tuple:
+    """MXFP8Linear's constructor defaults: AUTO kernels, RCEIL scales, MXFP8 weight gradient."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    return KernelPreference.AUTO, ScaleCalculationMode.RCEIL, False
+
+
+def inductor_patches(name: str) -> dict:
+    """Inductor config torchtitan sets for the recipe (pytorch/pytorch#150859 for rowwise FP8)."""
+    return {"emulate_precision_casts": True} if name == "torchao_fp8" else {}

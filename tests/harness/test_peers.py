@@ -1,0 +1,57 @@
+"""moepass/harness/peers.py: torchtitan's torchao recipes as bench variants (what users run instead of moepass)."""
+
+import pytest
+import torch
+
+from helpers import TINY
+from moepass.harness import bench, peers, variants
+from moepass.harness.corpus import Batches, load_corpus
+from moepass.harness.model_spec import ModelSpec
+from moepass.harness.ranks import Ranks
+from moepass.harness.timing import add_speedups
+from moepass.models import build_model
+
+
+def test_peer_variants_compile_with_plain_inductor_after_conversion():
+    vs = {v.name: v for v in variants.resolve_variants(["inductor", "all", "torchao_fp8", "torchao_mxfp8"])}
+    for name in peers.PEERS:
+        assert vs[name].backend == "inductor" and vs[name].peer == name and vs[name].options is None
+    assert vs["all"].peer is None and vs["inductor"].prepare(torch.nn.Linear(2, 2)) is None
+    assert vs["torchao_fp8"].inductor_config() == {"emulate_precision_casts": True}  # as torchtitan's converter
+
+
+def test_peer_on_a_device_without_its_kernels_is_recorded_with_the_reason_and_the_rest_run():
+    train_tokens, _ = load_corpus(None)
+    batches = Batches(train_tokens, 2, 16)
+    vs = variants.resolve_variants(["torchao_fp8", "eager"])
+    entries = [bench.run_variant(v, ModelSpec(overrides=TINY), batches, steps=2, warmup=1, lr=1e-3, seed=0,
+                                 ranks=Ranks(), ep=1) for v in vs]
+    assert entries[0]["status"] == "unavailable" and "sm_89" in entries[0]["error"]
+    assert entries[1]["status"] == "ok" and add_speedups(entries) == "eager"
+    assert "n/a" in bench.table(entries, 1) and "FAILED" not in bench.table(entries, 1)
+
+
+@pytest.mark.parametrize("name, linear_cls, weight_cls", [
+    ("torchao_fp8", "Float8Linear", "Float8TrainingWeightWrapperTensor"),
+    ("torchao_mxfp8", "MXFP8Linear", "MXFP8TrainingWeightWrapperTensor"),
+])
+def test_conversion_keeps_router_gates_and_output_head_bf16(name, linear_cls, weight_cls):
+    model = build_model("debug")
+    plain = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    done = peers.convert_to_peer(name, model)
+    kinds = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
+    assert kinds["output"] == "Linear"
+    gates = [fqn for fqn in kinds if fqn.endswith("router.gate")]
+    assert gates and all(kinds[g] == "Linear" for g in gates)
+    converted = [fqn for fqn, k in kinds.items() if k == linear_cls]
+    assert len(converted) == done["linears"] == plain - len(gates) - 1
+    experts = [fqn for fqn, m in model.named_modules() if fqn.endswith("experts") and "shared" not in fqn]
+    assert experts and done["expert_modules"] == len(experts)
+    for fqn in experts:
+        assert all(type(p.data).__name__ == weight_cls for p in model.get_submodule(fqn).parameters())
+    torch.optim.AdamW(model.parameters(), foreach=True)  # the bench's optimizer takes the subclass weights
+
+
+def test_unknown_peer_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown peer variant"):
+        peers.convert_to_peer("torchao_fp4", build_model("debug"))
