@@ -22,29 +22,36 @@ ALIGN = 16  # torch._scaled_mm / _scaled_grouped_mm: K and N multiples of 16
 
 @dataclasses.dataclass(frozen=True)
 class MinShape:
-    """Smallest GEMM FP8 rowwise should take over: tokens is M for a linear, M / experts for a grouped GEMM."""
+    """Smallest GEMM FP8 rowwise should take over: tokens is M for a linear, M / experts for a grouped GEMM.
+
+    work: least tokens * K * N (per expert group for a grouped GEMM); for a linear, the least K * N at any M.
+    """
 
     k: int
     n: int
     tokens: int
+    work: float = 0.0
 
 
 # Smallest shapes where FP8 rowwise (quantization included) beat BF16 on an H200 under torch.compile.
 # None: slower than BF16 at every shape measured.
 FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
-    # Per GEMM, forward, dgrad and wgrad together (examples/bench_fp8_gemms.py prints the suggestion pasted
-    # here), at M=16384 only: 4 of the 12 DeepSeek-V3 linears qualify; 16B attention.wo (K=N=2048) ran 0.55x.
-    "linear": MinShape(k=1536, n=3072, tokens=16384),
-    # Forward and dgrad (the wgrad stays BF16 under fp8_rowwise.wgrad_bf16="auto": WGRAD_BF16_AUTO), judged
-    # on the whole 16B training step at 3072 tokens per expert, the only load measured: alone, each grouped
-    # GEMM with its quantization ran 0.78-0.99x, but in the model Inductor fuses the activations'
-    # quantization into their producers. A small win: 264.3 vs 266.4 ms per step with the experts in BF16,
-    # side by side (the steps' min-max spreads overlap); FP8 GEMMs save ~14 ms, quantization takes ~12 back.
-    "grouped": MinShape(k=1024, n=1024, tokens=3072),
+    # Per GEMM, forward, dgrad and wgrad together (examples/bench_fp8_gemms.py), at M=16384 only: every linear
+    # with min(K, N) >= 1536 and K*N >= 5.7e6 saved time or broke even (671B wq_a +0.09 ms, shared experts
+    # +0.32/+0.37, wq_b +0.55, wo +5.9; 16B wq +0.01, shared w2 +0.07, w1|w3 -0.005); every one below lost
+    # (16B wo K=N=2048 -0.43, wkv_a N=576 -0.22, wkv_b K=512 -0.22; 671B wkv_b K=512 -0.69).
+    "linear": MinShape(k=1536, n=1536, tokens=16384, work=5.7e6),
+    # Forward and dgrad (the wgrad stays BF16 under fp8_rowwise.wgrad_bf16="auto": WGRAD_BF16_AUTO), judged on
+    # whole training steps, since alone each grouped GEMM with its quantization ran 0.78-0.99x but in the model
+    # Inductor fuses the activations' quantization into their producers. 16B (K=2048, N=1408, 3072 tokens per
+    # expert, 8.9e9 per group): a small win, 264.3 vs 266.4 ms per step. 671B dims (K=7168/2048, N=2048/7168,
+    # 2048 tokens per expert, 3.0e10 per group): FP8 experts 1.116x against 1.076x with them in BF16
+    # (examples/results/fp8_bound_671B_h200/). So the work per expert group decides, from 8.8e9.
+    "grouped": MinShape(k=1024, n=1024, tokens=512, work=8.8e9),
 }
 # Where FP8_ROWWISE_MIN and WGRAD_BF16_AUTO come from, quoted in every reason.
 THRESHOLDS_SOURCE = ("measured on H200: examples/results/fp8_gemms_h200.json (per GEMM), "
-                     "examples/results/step_16B_fp8_h200/ (training step)")
+                     "examples/results/step_16B_fp8_h200/ and fp8_bound_671B_h200/ (training steps)")
 
 # fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds. A grouped wgrad in FP8
 # needs both operands quantized per (token group, column), a pass of their own over the routed tokens
@@ -104,14 +111,20 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         if tokens is None:  # e.g. after an expert-parallel dispatch: the op cannot be decomposed (may be empty)
             return "bf16", (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
                             f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
+    if kind == "linear":  # any M above the token floor: the per-GEMM measurements were all at M=16384
+        work, least_work = k * n, "K*N"
+    else:
+        work, least_work = (None if tokens is None else tokens * k * n), f"{per}*K*N"
     small = [f"{name}={value} < {least}" for name, value, least in
              (("K", k, need.k), ("N", n, need.n), (per, tokens, need.tokens)) if value is not None and value < least]
+    if work is not None and work < need.work:
+        small.append(f"{least_work}={work:.3g} < {need.work:.3g}")
     if small:
         size = f"M*K*N={tokens * k * n:.3g}" if kind == "linear" and tokens is not None else how
         return "bf16", (f"left in BF16: too small for FP8 to win on {arch} ({', '.join(small)}; {size}); "
                         f"thresholds: {THRESHOLDS_SOURCE}")
-    return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens} "
-                           f"({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
+    return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens}, "
+                           f"{least_work}>={need.work:.3g} ({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
 
 
 def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: int, n: int,

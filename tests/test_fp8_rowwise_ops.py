@@ -406,12 +406,17 @@ def test_sm90_large_gemms_get_fp8_rowwise_with_the_measured_thresholds(cuda_capa
 def test_sm90_grouped_gemms_take_fp8_only_at_the_measured_load(cuda_capability, monkeypatch):
     cuda_capability(9, 0)
     need = fp8_recipe.FP8_ROWWISE_MIN["grouped"]
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", need.tokens * 16, 2048, 1408, experts=16)
+    per_expert = math.ceil(need.work / (2048 * 1408))  # the work per expert group decides, not tokens alone
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 2048, 1408, experts=16)
     assert recipe == "fp8_rowwise" and fp8_recipe.THRESHOLDS_SOURCE in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", need.tokens * 8, 2048, 1408, experts=16)
-    assert recipe == "bf16" and f"tokens per expert={need.tokens // 2} < {need.tokens}" in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 8, 2048, 1408, experts=16)
+    assert recipe == "bf16" and f"tokens per expert*K*N={per_expert // 2 * 2048 * 1408:.3g}" in reason, reason
+    # at 671B dims (K=7168, N=2048) fewer tokens per expert carry the same work: 2048 per expert pays there
+    assert fp8_recipe.choose_recipe("cuda", "grouped", 2048 * 16, 7168, 2048, experts=16)[0] == "fp8_rowwise"
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", (need.tokens - 1) * 16, 65536, 65536, experts=16)
+    assert recipe == "bf16" and f"tokens per expert={need.tokens - 1} < {need.tokens}" in reason
     monkeypatch.setitem(fp8_recipe.FP8_ROWWISE_MIN, "grouped", None)  # a GPU where FP8 never won
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", need.tokens * 16, 2048, 1408, experts=16)
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 2048, 1408, experts=16)
     assert recipe == "bf16" and "slower than BF16" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
 
 
@@ -447,6 +452,9 @@ def test_sm90_small_gemms_stay_bf16_saying_why(cuda_capability):
     assert recipe == "bf16" and f"tokens={need.tokens // 2}" in reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, need.k // 2, 4096)
     assert recipe == "bf16" and f"K={need.k // 2} < {need.k}" in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 2048)  # 16B attention.wo: lost 0.43 ms
+    assert recipe == "bf16" and f"K*N={2048 * 2048:.3g} < {need.work:.3g}" in reason
+    assert fp8_recipe.choose_recipe("cuda", "linear", 16384, 7168, 1536)[0] == "fp8_rowwise"  # 671B wq_a: +0.09 ms
 
 
 def test_sm90_decides_on_k_and_n_when_m_is_unknown_and_says_so(cuda_capability):
@@ -543,6 +551,7 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
 
 @needs_recipe_option
 @pytest.mark.slow
+@pytest.mark.extended  # ~3-5 min on 2 cores: pytest -m extended
 def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16():
     import copy
 

@@ -3,7 +3,8 @@
 `torchao_fp8` is torchtitan's Hopper recipe (its `deepseek_v3_671b_float8` config): every linear through
 `convert_to_float8_training` with the "rowwise" recipe except the router gates and the output head, and the
 routed experts' grouped GEMMs through `quantize_(..., Float8TrainingOpConfig)`, with token groups padded to
-16 rows (torchtitan pads in its dispatcher; torchao pads inside the op here, the same padding). As
+16 rows by torchao's `permute_and_pad`, as torchtitan's `TorchAOTokenDispatcher` does (torchao 0.18's own
+`pad_token_groups_for_grouped_mm` is not supported for FP8: "not yet supported"). As
 torchtitan's float8 converter does, the rowwise recipe turns on Inductor's `emulate_precision_casts`.
 `torchao_mxfp8` is its Blackwell recipe: torchao's MXFP8 linears and MXFP8 expert GEMMs (RCEIL scales),
 token groups padded to 32. Both are then compiled by plain Inductor, as torchtitan compiles them.
@@ -13,6 +14,8 @@ per-parameter loop for every parameter once one is a subclass); the bench's opti
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -63,8 +66,9 @@ def convert_to_peer(name: str, model: nn.Module) -> dict:
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
                                    module_filter_fn=_keeps_linear)
-        quantize_(model, config=Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True),
-                  filter_fn=_is_expert_module)
+        quantize_(model, config=Float8TrainingOpConfig(), filter_fn=_is_expert_module)
+        for fqn in experts:
+            _pad_token_groups(model.get_submodule(fqn), 16)
     elif name == "torchao_mxfp8":
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
         from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
@@ -74,11 +78,34 @@ def convert_to_peer(name: str, model: nn.Module) -> dict:
             linear.__class__ = MXFP8Linear
             linear.kernel_preference, linear.scale_calculation_mode, linear.wgrad_with_hp = _mxfp8_linear_defaults()
         op_config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe("mxfp8_rceil"))
-        op_config.pad_token_groups_for_grouped_mm = True  # torchtitan: pad_multiple=32 in its dispatcher
         quantize_(model, config=op_config, filter_fn=_is_expert_module)
+        for fqn in experts:
+            _pad_token_groups(model.get_submodule(fqn), 32)  # torchtitan's MXFP8 pad_multiple
     else:
         raise ValueError(f"moepass: unknown peer variant {name!r}; known: {sorted(PEERS)}")
     return {"linears": len(linears), "expert_modules": len(experts), "kept_bf16": list(KEEP_BF16)}
+
+
+def _pad_token_groups(experts: nn.Module, multiple: int) -> None:
+    """Run `experts(x, tokens_per_expert)` on token groups padded to `multiple` rows, as torchtitan's
+    TorchAOTokenDispatcher does for the quantized grouped GEMMs (EP=1: pad, experts, strip the padding)."""
+    params = list(inspect.signature(experts.forward).parameters)
+    if len(params) != 2:
+        raise ValueError(f"moepass: peer variants pad token groups around experts.forward(x, tokens_per_expert); "
+                         f"{type(experts).__name__}.forward takes {params}")
+    inner = experts.forward
+
+    def forward(x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        from torchao.prototype.moe_training.ep.permute import permute_and_pad
+
+        shape, padded, indices, padded_counts, _ = permute_and_pad(
+            x, tokens_per_expert, 1, tokens_per_expert.shape[0], multiple)
+        out = inner(padded, padded_counts)
+        unpadded = out.new_empty(shape)  # torchtitan's _unpermute: scatter back, drop the sentinel row
+        unpadded[indices, :] = out
+        return unpadded[:-1]
+
+    experts.forward = forward
 
 
 def _mxfp8_linear_defaults() -> tuple:

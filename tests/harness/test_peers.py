@@ -55,3 +55,20 @@ def test_conversion_keeps_router_gates_and_output_head_bf16(name, linear_cls, we
 def test_unknown_peer_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown peer variant"):
         peers.convert_to_peer("torchao_fp4", build_model("debug"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="torchao's FP8 recipe needs an sm_89+ GPU")
+def test_torchao_fp8_trains_the_same_model_as_inductor_on_gpu():
+    """The peer variant runs end to end (linears, padded expert groups) and its losses track BF16's."""
+    train_tokens, _ = load_corpus(None)
+    batches = Batches(train_tokens, 4, 256)
+    spec = ModelSpec(flavor="debug")
+    entries = [bench.run_variant(v, spec, batches, steps=4, warmup=1, lr=1e-3, seed=0,
+                                 ranks=Ranks(device=torch.device("cuda")), ep=1)
+               for v in variants.resolve_variants(["inductor", "torchao_fp8"])]
+    base, peer = entries
+    assert peer["status"] == "ok", peer.get("error")
+    assert peer["converted"]["expert_modules"] > 0 and peer["converted"]["linears"] > 0
+    assert abs(peer["losses"][0] - base["losses"][0]) / base["losses"][0] < 0.02  # same weights, same batch
