@@ -31,6 +31,7 @@ def test_logits_sqnr_at_least_20_db(base_model):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~3-5 min on 2 cores: pytest -m extended
 def test_loss_after_50_steps_within_3_percent_of_bf16(base_model):
     train_tokens, _ = load_corpus(limit_bytes=1 << 20)
     batches = Batches(train_tokens, batch_size=2, seq_len=64, seed=0)
