@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 
 from .graph import matches_any
+from .ops.formats import MX_BLOCK
 from .options import Config, OptionsError
-
-BLOCK = 32  # MXFP8: one E8M0 scale per 32 elements along the reduction dimension
 
 
 def module_filter_problem(path: str, config: Config) -> str | None:
@@ -31,7 +30,7 @@ def dtype_problem(**tensors: torch.Tensor | None) -> str | None:
     return None
 
 
-def shape_problem(k: int, n: int, multiple: int = BLOCK) -> str | None:
+def shape_problem(k: int, n: int, multiple: int = MX_BLOCK) -> str | None:
     """None when K and N are positive multiples of `multiple` (the kernels' alignment), else what is off."""
     if k == 0 or n == 0:  # 0 is a multiple of anything, but there is nothing to quantize (a zero-width expert)
         return f"empty GEMM (K={k}, N={n}): nothing to quantize"
