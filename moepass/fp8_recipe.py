@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from .mxfp8_rules import shape_problem
+from .gemm_rules import shape_problem
 from .ops.formats import FP8_ALIGN as ALIGN
 from .options import OptionsError
 
