@@ -49,36 +49,22 @@ def define_grouped_mm_ops(recipe: OpRecipe, gemms: RecipeGemms) -> None:
     settings = list(recipe.settings)
     fwd_name, dgrad_name = recipe.op_name("grouped_mm"), recipe.op_name("grouped_mm_dgrad")
 
-    def forward(x, w_t, offs, *args):
-        gemm_args, _ = split_forward_args(args)
-        check_grouped(recipe, fwd_name, "x", x, w_t, offs, gemm_args)
-        return gemms.forward(x, w_t, offs, *gemm_args)
+    def gemm_args(args: tuple) -> tuple:  # the forward's (*settings, wgrad_bf16, kernel) -> (*settings, kernel)
+        return split_forward_args(args)[0]
 
-    def forward_fake(x, w_t, offs, *args):
-        check_grouped(recipe, fwd_name, "x", x, w_t, offs, split_forward_args(args)[0])
-        return x.new_empty(x.shape[0], w_t.shape[2])
-
-    def dgrad(grad_out, w_t, offs, *args):
-        check_grouped(recipe, dgrad_name, "grad_out", grad_out, w_t, offs, args)
-        return gemms.dgrad(grad_out, w_t, offs, *args)
-
-    def dgrad_fake(grad_out, w_t, offs, *args):
-        check_grouped(recipe, dgrad_name, "grad_out", grad_out, w_t, offs, args)
-        return grad_out.new_empty(grad_out.shape[0], w_t.shape[1])
-
-    def wgrad(grad_out, x, offs, *args):
-        check_wgrad(recipe, grad_out, x, offs, args)
-        return gemms.wgrad(grad_out, x, offs, *args)
-
-    def wgrad_fake(grad_out, x, offs, *args):
-        check_wgrad(recipe, grad_out, x, offs, args)
-        return as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
-
-    op = define_op(fwd_name, forward, forward_fake,
-                   ["Tensor x", "Tensor w_t", "Tensor offs", *settings, "bool wgrad_bf16", "str kernel"])
-    define_op(dgrad_name, dgrad, dgrad_fake, ["Tensor grad_out", "Tensor w_t", "Tensor offs", *settings, "str kernel"])
-    define_op(recipe.op_name("grouped_mm_wgrad"), wgrad, wgrad_fake,
-              ["Tensor grad_out", "Tensor x", "Tensor offs", *settings, "str kernel"])
+    op = define_op(fwd_name, ["Tensor x", "Tensor w_t", "Tensor offs", *settings, "bool wgrad_bf16", "str kernel"],
+                   check=lambda x, w_t, offs, *args: check_grouped(recipe, fwd_name, "x", x, w_t, offs,
+                                                                   gemm_args(args)),
+                   compute=lambda x, w_t, offs, *args: gemms.forward(x, w_t, offs, *gemm_args(args)),
+                   output=lambda x, w_t, offs, *args: x.new_empty(x.shape[0], w_t.shape[2]))
+    define_op(dgrad_name, ["Tensor grad_out", "Tensor w_t", "Tensor offs", *settings, "str kernel"],
+              check=lambda g, w_t, offs, *args: check_grouped(recipe, dgrad_name, "grad_out", g, w_t, offs, args),
+              compute=gemms.dgrad, output=lambda g, w_t, offs, *args: g.new_empty(g.shape[0], w_t.shape[1]))
+    define_op(recipe.op_name("grouped_mm_wgrad"),
+              ["Tensor grad_out", "Tensor x", "Tensor offs", *settings, "str kernel"],
+              check=lambda g, x, offs, *args: check_wgrad(recipe, g, x, offs, args), compute=gemms.wgrad,
+              output=lambda g, x, offs, *args: as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1],
+                                                                                g.shape[1])))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
 
 

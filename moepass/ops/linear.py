@@ -60,37 +60,20 @@ def define_linear_ops(recipe: OpRecipe, gemms: RecipeGemms) -> None:
     """Register moepass::<recipe>_linear, _linear_dgrad and _linear_wgrad with fakes and autograd."""
     settings = list(recipe.settings)
 
-    def forward(x, weight, bias, *args):
-        gemm_args, _ = split_forward_args(args)
-        check_forward(recipe, x, weight, bias, gemm_args)
-        return gemms.forward(x, weight, bias, *gemm_args)
+    def gemm_args(args: tuple) -> tuple:  # the forward's (*settings, wgrad_bf16, kernel) -> (*settings, kernel)
+        return split_forward_args(args)[0]
 
-    def forward_fake(x, weight, bias, *args):
-        check_forward(recipe, x, weight, bias, split_forward_args(args)[0])
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    def dgrad(grad_out, weight, *args):
-        check_dgrad(recipe, grad_out, weight, args)
-        return gemms.dgrad(grad_out, weight, *args)
-
-    def dgrad_fake(grad_out, weight, *args):
-        check_dgrad(recipe, grad_out, weight, args)
-        return grad_out.new_empty(*grad_out.shape[:-1], weight.shape[1])
-
-    def wgrad(grad_out, x, *args):
-        check_wgrad(recipe, grad_out, x, args)
-        return gemms.wgrad(grad_out, x, *args)
-
-    def wgrad_fake(grad_out, x, *args):
-        check_wgrad(recipe, grad_out, x, args)
-        return x.new_empty(grad_out.shape[-1], x.shape[-1])
-
-    op = define_op(recipe.op_name("linear"), forward, forward_fake,
-                 ["Tensor x", "Tensor weight", "Tensor? bias", *settings, "bool wgrad_bf16", "str kernel"])
-    define_op(recipe.op_name("linear_dgrad"), dgrad, dgrad_fake, ["Tensor grad_out", "Tensor weight", *settings,
-                                                                 "str kernel"])
-    define_op(recipe.op_name("linear_wgrad"), wgrad, wgrad_fake, ["Tensor grad_out", "Tensor x", *settings,
-                                                                 "str kernel"])
+    op = define_op(recipe.op_name("linear"),
+                   ["Tensor x", "Tensor weight", "Tensor? bias", *settings, "bool wgrad_bf16", "str kernel"],
+                   check=lambda x, w, b, *args: check_forward(recipe, x, w, b, gemm_args(args)),
+                   compute=lambda x, w, b, *args: gemms.forward(x, w, b, *gemm_args(args)),
+                   output=lambda x, w, b, *args: x.new_empty(*x.shape[:-1], w.shape[0]))
+    define_op(recipe.op_name("linear_dgrad"), ["Tensor grad_out", "Tensor weight", *settings, "str kernel"],
+              check=lambda g, w, *args: check_dgrad(recipe, g, w, args), compute=gemms.dgrad,
+              output=lambda g, w, *args: g.new_empty(*g.shape[:-1], w.shape[1]))
+    define_op(recipe.op_name("linear_wgrad"), ["Tensor grad_out", "Tensor x", *settings, "str kernel"],
+              check=lambda g, x, *args: check_wgrad(recipe, g, x, args), compute=gemms.wgrad,
+              output=lambda g, x, *args: x.new_empty(g.shape[-1], x.shape[-1]))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
 
 

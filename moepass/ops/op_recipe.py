@@ -2,7 +2,8 @@
 
 A recipe names its ops (moepass::<name>_linear, <name>_grouped_mm and their _dgrad / _wgrad), declares its
 own settings (arguments before `wgrad_bf16` and `kernel` in every schema), checks them and the kernel for a
-device, sets the multiple K and N must be, and supplies the three GEMMs of each kind.
+device, and sets the multiple K and N must be. Its op files (mxfp8_linear.py, fp8_rowwise_grouped_mm.py, ...)
+hand each family the recipe and its three GEMM bodies (RecipeGemms); the families register the ops.
 """
 
 from __future__ import annotations
@@ -53,8 +54,18 @@ def split_forward_args(args: tuple) -> tuple[tuple, bool]:
     return (*settings, kernel), wgrad_bf16
 
 
-def define_op(name: str, impl: Callable, fake: Callable, params: list[str]):
-    """Register moepass::<name>(params) -> Tensor with its real and fake implementations."""
+def define_op(name: str, params: list[str], check: Callable, compute: Callable, output: Callable):
+    """Register moepass::<name>(params) -> Tensor. Real: check, then compute; fake: check, then an empty `output`
+    (so a bad call fails at compile time). All three take the op's arguments."""
+
+    def impl(*args):
+        check(*args)
+        return compute(*args)
+
+    def fake(*args):
+        check(*args)
+        return output(*args)
+
     op = torch.library.custom_op(f"moepass::{name}", impl, mutates_args=(), schema=f"({', '.join(params)}) -> Tensor")
     op.register_fake(fake)
     return op
