@@ -49,7 +49,7 @@ from moepass.harness.train import next_token_loss
 from moepass.harness.variants import parse_custom_variant, resolve_variants
 from moepass.ops import fp8_rowwise_decomp as decomp
 from moepass.ops import fp8_rowwise_quant as quant
-from moepass.ops.fp8_rowwise_grouped_mm import scaled_grouped_mm
+from moepass.ops.scaled_gemms import scaled_grouped_mm
 
 SCHEMA = "moepass.bench_fp8_bound/1"
 aten = torch.ops.aten

@@ -37,8 +37,7 @@ import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
 from moepass import fp8_recipe
 from moepass.harness.provenance import git_commit, package_version
 from moepass.ops import fp8_rowwise_decomp as decomp
-from moepass.ops.fp8_rowwise_grouped_mm import FAST_ACCUM as GROUPED_FAST_ACCUM
-from moepass.ops.fp8_rowwise_linear import FAST_ACCUM as LINEAR_FAST_ACCUM
+from moepass.ops.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16

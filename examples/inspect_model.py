@@ -14,6 +14,6 @@ out_dir = sys.argv[1] if len(sys.argv) > 1 else "moepass-report"
 torch.manual_seed(0)
 model = build_model("debug")
 tokens = torch.randint(0, model.config.vocab_size, (2, 64))
-report = moepass.inspect(model, tokens, options={"mxfp8.exclude": ["layers.0.*"]})  # e.g. keep the dense layer BF16
+report = moepass.inspect(model, tokens, options={"lowp.exclude": ["layers.0.*"]})  # e.g. keep the dense layer BF16
 print(report.summary())
 print("HTML report:", report.save(out_dir))

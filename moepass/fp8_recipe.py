@@ -13,11 +13,11 @@ import dataclasses
 
 import torch
 
-from .mxfp8_rules import shape_problem
+from .gemm_rules import shape_problem
+from .ops.formats import FP8_ALIGN as ALIGN
 from .options import OptionsError
 
 RECIPES = ("auto", "mxfp8", "fp8_rowwise")
-ALIGN = 16  # torch._scaled_mm / _scaled_grouped_mm: K and N multiples of 16
 
 
 @dataclasses.dataclass(frozen=True)

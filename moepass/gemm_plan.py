@@ -11,7 +11,7 @@ import torch
 
 from .fp8_recipe import fp8_rowwise_kernel, fp8_rowwise_wgrad_bf16, recipe_shape_problem, resolve_recipe
 from .graph import replace_node
-from .mxfp8_rules import choose_kernel
+from .gemm_rules import choose_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +20,7 @@ class GemmPlan:
     why: str
     kernel: str
     kernel_why: str
-    op_name: str  # e.g. "mxfp8_grouped_mm"
+    op_name: str  # e.g. "mxfp8_grouped_mm", "fp8_rowwise_linear"
     recipe_args: tuple  # the op's arguments after its tensors
 
     @property

@@ -20,26 +20,26 @@ class LeftAlone:
 
 
 ROWS: tuple[LeftAlone, ...] = (
-    # ---- low-precision GEMM passes (mxfp8_linear, mxfp8_grouped_mm)
-    LeftAlone("mxfp8_linear", "router gate", "its scores pick the experts; quantization noise would flip routing",
-              "`mxfp8.keep_router_bf16: false` to quantize it anyway"),
-    LeftAlone("mxfp8_linear", "output head", "the vocabulary projection (no GEMM or residual add after it in its "
-              "graph; the last GEMM before a graph break looks the same)", "`mxfp8.keep_output_head_bf16: false`"),
-    LeftAlone("both", "excluded by mxfp8.exclude", "your exclude pattern matches its module path",
-              "edit `mxfp8.exclude`"),
-    LeftAlone("both", "matches no mxfp8.include", "your include patterns miss its module path",
-              "edit `mxfp8.include` (paths are state_dict names: `layers.3.moe.experts`)"),
+    # ---- low-precision GEMM passes (linear, grouped_mm)
+    LeftAlone("linear", "router gate", "its scores pick the experts; quantization noise would flip routing",
+              "`lowp.keep_router_bf16: false` to quantize it anyway"),
+    LeftAlone("linear", "output head", "the vocabulary projection (no GEMM or residual add after it in its "
+              "graph; the last GEMM before a graph break looks the same)", "`lowp.keep_output_head_bf16: false`"),
+    LeftAlone("both", "excluded by lowp.exclude", "your exclude pattern matches its module path",
+              "edit `lowp.exclude`"),
+    LeftAlone("both", "matches no lowp.include", "your include patterns miss its module path",
+              "edit `lowp.include` (paths are state_dict names: `layers.3.moe.experts`)"),
     LeftAlone("both", "not bfloat16", "only BF16 GEMMs are rewritten (an fp32 router, an fp32 model)",
               "train in bfloat16 (`model.to(torch.bfloat16)`)"),
     LeftAlone("both", "not a multiple of", "the kernels need K and N in whole blocks (32 for MXFP8, 16 for FP8 "
               "rowwise)", "pad the hidden or intermediate size"),
     LeftAlone("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-"),
-    LeftAlone("mxfp8_linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-"),
-    LeftAlone("mxfp8_grouped_mm", "only the MoE form", "a grouped GEMM that is not x[M,K] @ w[E,K,N] with group "
+    LeftAlone("linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-"),
+    LeftAlone("grouped_mm", "only the MoE form", "a grouped GEMM that is not x[M,K] @ w[E,K,N] with group "
               "offsets (a batched 3-D x 3-D product)", "-"),
-    LeftAlone("mxfp8_grouped_mm", "with bias", "grouped GEMMs with bias are not supported", "-"),
-    LeftAlone("mxfp8_grouped_mm", "out_dtype=", "a non-BF16 output was asked for", "-"),
-    LeftAlone("mxfp8_grouped_mm", "offs is", "group offsets are not int32", "`torch.cumsum(..., dtype=torch.int32)`"),
+    LeftAlone("grouped_mm", "with bias", "grouped GEMMs with bias are not supported", "-"),
+    LeftAlone("grouped_mm", "out_dtype=", "a non-BF16 output was asked for", "-"),
+    LeftAlone("grouped_mm", "offs is", "group offsets are not int32", "`torch.cumsum(..., dtype=torch.int32)`"),
     LeftAlone("both", "left in BF16:", "recipe auto on this GPU: no FP8 tensor cores, or FP8 measured slower than "
               "BF16 at this size (moepass.fp8_recipe's table)", "`recipe: fp8_rowwise` (or `mxfp8`) to force it"),
     LeftAlone("both", "no recorded tensor metadata", "Dynamo recorded no shape for an operand", "report it: a bug"),

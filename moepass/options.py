@@ -1,9 +1,13 @@
 """The backend's options: declared once here, validated into a frozen Config.
 
 `torch.compile(model, backend="moepass", options={...})` passes a flat dict. Keys are either
-global (`passes`, `inductor`) or namespaced by the part that reads them (`mxfp8.exclude`,
-`inductor.mode`). Every key has a type, a default and a one-line help; the README's options table and
-`moepass options` are printed from this table, so they cannot drift.
+global (`passes`, `inductor`) or namespaced by the part that reads them (`lowp.exclude`: both
+low-precision GEMM passes; `mxfp8.scale_rounding`: one recipe; `inductor.mode`). Every key has a type,
+a default and a one-line help; the README's options table and `moepass options` are printed from this
+table, so they cannot drift.
+
+Renamed passes and keys keep their old names as aliases (PASS_ALIASES, Option.aliases): an old name means
+exactly the new one, and the Config holds only the new names.
 
 When torch.compile passes no options (none, or an empty dict: torch drops those), the environment
 variable MOEPASS_OPTIONS, a JSON object of the same keys, is used instead: for stacks that compile with
@@ -40,10 +44,18 @@ class OptionsError(ValueError, _PassThrough):
 log = logging.getLogger(__name__)
 
 ENV_VAR = "MOEPASS_OPTIONS"
-_ENV_EXAMPLE = '{"passes": ["mxfp8_linear"]}'
+_ENV_EXAMPLE = '{"passes": ["linear"]}'
 
-PIPELINE = ("deepep", "mxfp8_grouped_mm", "mxfp8_linear")
+PIPELINE = ("deepep", "grouped_mm", "linear")
 """All passes, in the order they run. `options["passes"]` picks a subset; order stays this one."""
+
+PASS_ALIASES = {"mxfp8_grouped_mm": "grouped_mm", "mxfp8_linear": "linear"}
+"""Old pass names (from before the FP8-rowwise recipe) -> the pass they name."""
+
+
+def canonical_pass(name: str) -> str:
+    """A pass name or alias -> the pass's name (anything else unchanged, for the caller to reject)."""
+    return PASS_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +66,7 @@ class Option:
     choices: tuple | None = None
     check: Callable[[Any], bool] | None = None
     expects: str = ""
+    aliases: tuple[str, ...] = ()  # old keys that mean this one
 
 
 def _is_patterns(v: Any) -> bool:
@@ -61,7 +74,7 @@ def _is_patterns(v: Any) -> bool:
 
 
 def _is_pass_list(v: Any) -> bool:
-    return isinstance(v, (list, tuple)) and all(p in PIPELINE for p in v)
+    return isinstance(v, (list, tuple)) and all(isinstance(p, str) and canonical_pass(p) in PIPELINE for p in v)
 
 
 def _is_dir_path(v: Any) -> bool:
@@ -76,8 +89,9 @@ MOEPASS_INDUCTOR_PATCHES = ("post_grad_custom_post_pass", "joint_custom_pre_pass
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("passes", PIPELINE, "passes to run, by name (they always run in pipeline order)",
-           check=_is_pass_list, expects=f"a list drawn from {list(PIPELINE)}"),
+    Option("passes", PIPELINE, "passes to run, by name (they always run in pipeline order); old names "
+           + ", ".join(f"{old} = {new}" for old, new in PASS_ALIASES.items()),
+           check=_is_pass_list, expects=f"a list drawn from {list(PIPELINE)} (or old names {list(PASS_ALIASES)})"),
     Option("inductor", True, "compile the rewritten graph with Inductor (False: run it eagerly, for debugging)",
            choices=(True, False)),
     Option("inductor.mode", None, "Inductor mode, as torch.compile's mode= takes it; set it here to use a mode "
@@ -91,9 +105,9 @@ OPTIONS: tuple[Option, ...] = (
            check=_is_dir_path, expects="a directory path or None"),
     # auto's Hopper thresholds are measured (fp8_recipe.FP8_ROWWISE_MIN): large linears, and expert GEMMs at
     # thousands of tokens per expert (forward and dgrad; their wgrad stays BF16)
-    Option("recipe", "auto", "low-precision recipe of the mxfp8_* passes: auto = mxfp8 on sm_100+ and CPU "
-           "(emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; or force "
-           "mxfp8 / fp8_rowwise",
+    Option("recipe", "auto", "low-precision recipe of the grouped_mm and linear passes: auto = mxfp8 on "
+           "sm_100+ and CPU (emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; "
+           "or force mxfp8 / fp8_rowwise",
            choices=("auto", "mxfp8", "fp8_rowwise")),
     Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
            "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),
@@ -106,32 +120,34 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False)),
     Option("mxfp8.kernel", "auto", "MXFP8 kernels: auto picks native on sm_100, emulated elsewhere",
            choices=("auto", "emulated", "sm100")),
-    Option("mxfp8.include", ("*",), "module-path glob patterns to rewrite (fnmatch, e.g. 'layers.*.moe.*')",
-           check=_is_patterns, expects="a list of glob strings"),
-    Option("mxfp8.exclude", (), "module-path glob patterns never rewritten (wins over include)",
-           check=_is_patterns, expects="a list of glob strings"),
-    Option("mxfp8.keep_router_bf16", True, "leave the MoE router gate (linear feeding top-k) in BF16",
-           choices=(True, False)),
-    Option("mxfp8.keep_output_head_bf16", True, "leave the output head (vocabulary projection) in BF16",
-           choices=(True, False)),
+    Option("lowp.include", ("*",), "module-path glob patterns the low-precision GEMM passes rewrite (fnmatch, "
+           "e.g. 'layers.*.moe.*')", check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.include",)),
+    Option("lowp.exclude", (), "module-path glob patterns never rewritten (wins over include)",
+           check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.exclude",)),
+    Option("lowp.keep_router_bf16", True, "leave the MoE router gate (linear feeding top-k) in BF16",
+           choices=(True, False), aliases=("mxfp8.keep_router_bf16",)),
+    Option("lowp.keep_output_head_bf16", True, "leave the output head (vocabulary projection) in BF16",
+           choices=(True, False), aliases=("mxfp8.keep_output_head_bf16",)),
     Option("deepep.backend", "auto", "EP dispatch/combine implementation: auto picks DeepEP where it runs",
            choices=("auto", "deepep", "reference")),
 )
 
 _BY_KEY = {o.key: o for o in OPTIONS}
+OPTION_ALIASES = {alias: o.key for o in OPTIONS for alias in o.aliases}
+"""Old option keys -> the key they name."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Validated options. Read values with `config["mxfp8.exclude"]`."""
+    """Validated options. Read values with `config["lowp.exclude"]` (an old key reads its new one)."""
 
     values: Mapping[str, Any]
 
     def __getitem__(self, key: str) -> Any:
-        return self.values[key]
+        return self.values[OPTION_ALIASES.get(key, key)]
 
     def enabled(self, pass_name: str) -> bool:
-        return pass_name in self.values["passes"]
+        return canonical_pass(pass_name) in self.values["passes"]
 
     @property
     def pipeline(self) -> tuple[str, ...]:
@@ -163,13 +179,14 @@ class Config:
         if not isinstance(options, Mapping):
             raise OptionsError(f"moepass: options must be a dict of option names to values, not "
                                f"{type(options).__name__} {reprlib.repr(options)}. Valid options: {sorted(_BY_KEY)}")
-        unknown = sorted(set(options) - set(_BY_KEY), key=str)
+        unknown = sorted(set(options) - set(_BY_KEY) - set(OPTION_ALIASES), key=str)
         if unknown:
             near = [m for u in unknown if isinstance(u, str) for m in difflib.get_close_matches(u, _BY_KEY, n=1)]
             raise OptionsError(
                 f"moepass: unknown option(s) {unknown}{f' (did you mean {near}?)' if near else ''}. "
                 f"Valid options: {sorted(_BY_KEY)}"
             )
+        options = _new_keys(options)
         values = {}
         for opt in OPTIONS:
             value = options.get(opt.key, opt.default)
@@ -181,11 +198,25 @@ class Config:
             if opt.check is not None and not opt.check(value):
                 raise OptionsError(f"moepass: option {opt.key!r}={value!r} is not valid; expected {opt.expects}")
             values[opt.key] = _frozen(value)
+        values["passes"] = tuple(dict.fromkeys(canonical_pass(p) for p in values["passes"]))
         values["inductor.mode"] = _effective_mode(values["inductor.mode"], mode)
         _check_inductor_patches(values["inductor.options"])
         if values["report_dir"] is not None:
             _check_report_dir(values["report_dir"])
         return cls(values)
+
+
+def _new_keys(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Old keys renamed to their new ones; an old and a new key for the same option together are an error."""
+    renamed = {}
+    for key, value in options.items():
+        new = OPTION_ALIASES.get(key, key)
+        if new in renamed:
+            given = sorted(k for k in options if OPTION_ALIASES.get(k, k) == new)
+            raise OptionsError(f"moepass: options {given} name the same option ({new!r} is the new name "
+                               "of the others); give it once")
+        renamed[new] = value
+    return renamed
 
 
 def _frozen(value: Any) -> Any:
@@ -256,5 +287,6 @@ def options_table_markdown() -> str:
     for o in OPTIONS:
         default = list(o.default) if isinstance(o.default, tuple) else o.default
         values = f" ({' / '.join(map(str, o.choices))})" if o.choices and o.choices != (True, False) else ""
-        rows.append(f"| `{o.key}` | `{default!r}` | {o.help}{values} |")
+        was = f" (old name {', '.join(f'`{a}`' for a in o.aliases)})" if o.aliases else ""
+        rows.append(f"| `{o.key}`{was} | `{default!r}` | {o.help}{values} |")
     return "\n".join(rows)

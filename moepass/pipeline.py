@@ -16,16 +16,17 @@ from torch import fx
 from . import module_paths
 from .analysis.scopes import graph_scopes
 from .graph import op_histogram
-from .options import PIPELINE, Config
+from .options import PIPELINE, Config, canonical_pass
 from .report import GraphRecord, PassRecord
 
 log = logging.getLogger(__name__)
 
 
 def load_pass(name: str):
-    if name not in PIPELINE:
+    """The pass module for a pass name (or an old name of one)."""
+    if canonical_pass(name) not in PIPELINE:
         raise ValueError(f"moepass: unknown pass {name!r}; passes are {list(PIPELINE)}")
-    return importlib.import_module(f"moepass.passes.{name}")
+    return importlib.import_module(f"moepass.passes.{canonical_pass(name)}")
 
 
 def graph_code(gm: fx.GraphModule) -> str:

@@ -43,7 +43,7 @@ def test_one_graph_no_breaks(trained_step):
 def test_every_eligible_grouped_gemm_rewritten(trained_step):
     _, _, _, report = trained_step
     d = report.to_dict()
-    grouped = {p["name"]: p for p in d["passes"]}["mxfp8_grouped_mm"]
+    grouped = {p["name"]: p for p in d["passes"]}["grouped_mm"]
     moe_layers = 4 - 1  # debug: 4 layers, the first dense
     assert d["ops_before"]["_grouped_mm"] == 3 * moe_layers
     assert grouped["replaced"] == 3 * moe_layers and grouped["skipped"] == []
@@ -54,7 +54,7 @@ def test_every_eligible_grouped_gemm_rewritten(trained_step):
 def test_every_eligible_linear_rewritten_router_and_head_skipped(trained_step):
     _, _, _, report = trained_step
     d = report.to_dict()
-    linear = {p["name"]: p for p in d["passes"]}["mxfp8_linear"]
+    linear = {p["name"]: p for p in d["passes"]}["linear"]
     skipped = {s["module"]: s["reason"] for s in linear["skipped"]}
     assert set(skipped) == {"layers.1.moe.router.gate", "layers.2.moe.router.gate", "layers.3.moe.router.gate",
                             "output"}
@@ -87,6 +87,6 @@ def test_report_save_writes_json_code_and_html(trained_step, tmp_path):
     _, _, _, report = trained_step
     html = report.save(str(tmp_path))
     files = {p.name for p in tmp_path.iterdir()}
-    assert {"report.json", "report.html", "graph_0_0_before.py", "graph_0_3_after_mxfp8_linear.py"} <= files
+    assert {"report.json", "report.html", "graph_0_0_before.py", "graph_0_3_after_linear.py"} <= files
     text = open(html).read()
     assert "router gate" in text and "moepass.mxfp8_grouped_mm" in text and "<script" not in text

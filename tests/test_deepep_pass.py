@@ -212,7 +212,7 @@ def check_all_passes_match_mxfp8_without_deepep(rank, world_size):
     passes = {p["name"]: p for p in got[2]["passes"]}
     assert passes["deepep"]["replaced"] == 1
     # the grouped GEMMs, now fed the dispatched (row, expert) pairs, are still recognised
-    assert passes["mxfp8_grouped_mm"]["replaced"] == 3 and passes["mxfp8_grouped_mm"]["skipped"] == []
+    assert passes["grouped_mm"]["replaced"] == 3 and passes["grouped_mm"]["skipped"] == []
     # same rows per expert, in the same order: the MXFP8 blocks (also the 1x32 token blocks of wgrad) agree
     _assert_bitwise(got, want)
 

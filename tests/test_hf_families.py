@@ -138,7 +138,7 @@ class FamilyRun:
 
     @property
     def linear_skips(self) -> dict[str, str]:
-        return {s["module"]: s["reason"] for s in self.pass_record("mxfp8_linear")["skipped"]}
+        return {s["module"]: s["reason"] for s in self.pass_record("linear")["skipped"]}
 
     @property
     def kept_bf16(self) -> dict[str, int]:
@@ -185,11 +185,11 @@ def test_family_trains_one_step_with_its_expected_rewrites(name):
     assert run.loss == pytest.approx(run.eager_loss, rel=LOSS_RTOL)
 
     assert run.moe_layers == family.moe_layers
-    grouped = run.pass_record("mxfp8_grouped_mm")
+    grouped = run.pass_record("grouped_mm")
     assert d["ops_before"]["_grouped_mm"] == family.moe_layers * family.grouped_per_moe_layer
     assert grouped["replaced"] == d["ops_before"]["_grouped_mm"] and grouped["skipped"] == []
 
-    linear, skips = run.pass_record("mxfp8_linear"), run.linear_skips
+    linear, skips = run.pass_record("linear"), run.linear_skips
     assert all(skips.values())
     assert linear["replaced"] + len(linear["skipped"]) == d["ops_before"]["linear"]
     assert (linear["replaced"], run.kept_bf16) == (family.linears_rewritten, family.kept_bf16)
@@ -206,8 +206,8 @@ def test_router_rule_off_shows_what_else_keeps_the_router_bf16(name, router_skip
     model = build(name)
     ids = example_ids(model)
     torch._dynamo.reset()
-    report = moepass.inspect(model, input_ids=ids, options={**MXFP8_OPTIONS, "mxfp8.keep_router_bf16": False})
-    linear = next(p for p in report.to_dict()["passes"] if p["name"] == "mxfp8_linear")
+    report = moepass.inspect(model, input_ids=ids, options={**MXFP8_OPTIONS, "lowp.keep_router_bf16": False})
+    linear = next(p for p in report.to_dict()["passes"] if p["name"] == "linear")
     router = FAMILIES[name].router
     skips = {s["module"]: s["reason"] for s in linear["skipped"] if s["module"].endswith(router)}
     assert skips == ({} if router_skip is None else {f"model.layers.{i}.{router}": router_skip for i in range(2)})
@@ -221,8 +221,8 @@ def families_table() -> str:
     for name in FAMILIES:
         run = train_step(name)
         kept = ", ".join(f"{n} {why}" for why, n in run.kept_bf16.items())
-        rows.append(f"| {name} | {run.moe_layers} | {run.pass_record('mxfp8_grouped_mm')['replaced']} | "
-                    f"{run.pass_record('mxfp8_linear')['replaced']} | {kept} |")
+        rows.append(f"| {name} | {run.moe_layers} | {run.pass_record('grouped_mm')['replaced']} | "
+                    f"{run.pass_record('linear')['replaced']} | {kept} |")
     return "\n".join(rows)
 
 

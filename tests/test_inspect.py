@@ -22,7 +22,7 @@ OPTIONS = {"inductor": False}
 
 
 def _linear_pass(report) -> dict:
-    return next(p for p in report.to_dict()["passes"] if p["name"] == "mxfp8_linear")
+    return next(p for p in report.to_dict()["passes"] if p["name"] == "linear")
 
 
 def test_inspect_of_a_model_compiled_before_replays_its_report():

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     opt.step()
     import moepass
     report = moepass.last_report().to_dict()
-    linear = [p for p in report["passes"] if p["name"] == "mxfp8_linear"][0]
+    linear = [p for p in report["passes"] if p["name"] == "linear"][0]
     print("replaced", linear["replaced"], "skipped", [s["module"] for s in linear["skipped"]])
 """)
 

@@ -35,18 +35,18 @@ class Model(nn.Module):
 def _linear_modules(options) -> list[str]:
     torch._dynamo.reset()
     report = moepass.inspect(Model(), torch.randn(2, 64, dtype=torch.bfloat16), options={"inductor": False, **options})
-    (linear,) = [p for p in report.to_dict()["passes"] if p["name"] == "mxfp8_linear"]
+    (linear,) = [p for p in report.to_dict()["passes"] if p["name"] == "linear"]
     assert report.to_dict()["graphs"] >= 2  # the break really split the block
     return sorted(r["module"] for r in linear["rewrites"]), sorted(s["module"] for s in linear["skipped"])
 
 
 def test_paths_after_a_graph_break_are_full():
-    rewritten, skipped = _linear_modules({"mxfp8.keep_output_head_bf16": False})
+    rewritten, skipped = _linear_modules({"lowp.keep_output_head_bf16": False})
     assert rewritten == ["layers.0.down", "layers.0.gate", "layers.1.down", "layers.1.gate"] and skipped == []
 
 
 def test_globs_written_for_full_paths_match_after_a_graph_break():
-    rewritten, skipped = _linear_modules({"mxfp8.keep_output_head_bf16": False, "mxfp8.exclude": ["layers.1.*"]})
+    rewritten, skipped = _linear_modules({"lowp.keep_output_head_bf16": False, "lowp.exclude": ["layers.1.*"]})
     assert rewritten == ["layers.0.down", "layers.0.gate"] and skipped == ["layers.1.down", "layers.1.gate"]
 
 

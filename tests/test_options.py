@@ -10,21 +10,58 @@ def test_defaults_run_every_pass_in_pipeline_order():
     config = Config.from_options(None)
     assert config.pipeline == PIPELINE
     assert config["mxfp8.scale_rounding"] == "rceil"
-    assert config["mxfp8.keep_router_bf16"] and config["mxfp8.keep_output_head_bf16"]
+    assert config["lowp.keep_router_bf16"] and config["lowp.keep_output_head_bf16"]
 
 
 def test_pass_selection_keeps_pipeline_order():
-    config = Config.from_options({"passes": ["mxfp8_linear", "mxfp8_grouped_mm"]})
-    assert config.pipeline == ("mxfp8_grouped_mm", "mxfp8_linear")
+    config = Config.from_options({"passes": ["linear", "grouped_mm"]})
+    assert config.pipeline == ("grouped_mm", "linear")
     assert not config.enabled("deepep")
 
 
+# ---------------------------------------------------------------- old names (before the recipe-neutral ones)
+
+
+def test_old_pass_names_select_the_same_passes():
+    old = Config.from_options({"passes": ["mxfp8_linear", "mxfp8_grouped_mm"]})
+    assert old.pipeline == ("grouped_mm", "linear") and old["passes"] == ("linear", "grouped_mm")  # new names only
+    assert old.enabled("mxfp8_linear") and old.enabled("linear") and not old.enabled("deepep")
+    both = Config.from_options({"passes": ["linear", "mxfp8_linear"]})
+    assert both["passes"] == ("linear",)  # one pass, named twice
+
+
+def test_old_pass_names_load_the_renamed_pass_modules():
+    from moepass.pipeline import load_pass
+
+    assert load_pass("mxfp8_linear") is load_pass("linear") and load_pass("linear").NAME == "linear"
+    assert load_pass("mxfp8_grouped_mm").NAME == "grouped_mm"
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("mxfp8.include", "lowp.include", ["layers.*"]),
+    ("mxfp8.exclude", "lowp.exclude", ["output"]),
+    ("mxfp8.keep_router_bf16", "lowp.keep_router_bf16", False),
+    ("mxfp8.keep_output_head_bf16", "lowp.keep_output_head_bf16", False),
+])
+def test_old_option_keys_set_the_new_ones(old, new, value):
+    config = Config.from_options({old: value})
+    assert config.values == Config.from_options({new: value}).values
+    assert old not in config.to_dict() and config[old] == config[new] != Config.from_options(None)[new]
+    with pytest.raises(OptionsError, match=rf"{old}.*{new}|{new}.*{old}"):
+        Config.from_options({old: value, new: value})  # one option given twice
+
+
+def test_old_option_keys_are_checked_like_the_new_ones():
+    with pytest.raises(OptionsError, match="'lowp.exclude'='output' is not valid; expected a list of glob"):
+        Config.from_options({"mxfp8.exclude": "output"})
+
+
 @pytest.mark.parametrize("options, names", [
-    ({"mxfp8.exlude": ["x"]}, ["mxfp8.exclude", "passes"]),
+    ({"lowp.exlude": ["x"]}, ["lowp.exclude", "passes"]),
     ({"mxfp8.scale_rounding": "nearest"}, ["rceil", "floor"]),
-    ({"passes": ["mxfp8"]}, ["mxfp8_linear", "deepep"]),
+    ({"passes": ["mxfp8"]}, ["linear", "deepep", "mxfp8_linear"]),
     ({"mxfp8.wgrad_bf16": "yes"}, ["True", "False"]),
-    ({"mxfp8.exclude": "output"}, ["list of glob"]),
+    ({"lowp.exclude": "output"}, ["list of glob"]),
 ])
 def test_bad_options_raise_value_error_naming_valid_ones(options, names):
     with pytest.raises(ValueError) as info:
@@ -59,15 +96,15 @@ def test_readme_options_table_is_the_generated_one():
 def test_options_not_a_dict_name_the_fix():
     with pytest.raises(OptionsError, match=r"options must be a dict of option names to values, not list") as info:
         Config.from_options(["passes"])
-    assert "'mxfp8.exclude'" in str(info.value)  # the valid names are listed
+    assert "'lowp.exclude'" in str(info.value)  # the valid names are listed
     compiled = torch.compile(torch.nn.Linear(32, 32), backend="moepass", options=["passes"])
     with pytest.raises(OptionsError, match="must be a dict"):
         compiled(torch.randn(4, 32))
 
 
 def test_unknown_option_suggests_the_near_name():
-    with pytest.raises(OptionsError, match=r"did you mean \['mxfp8.exclude'\]"):
-        Config.from_options({"mxfp8.exlude": ["x"]})
+    with pytest.raises(OptionsError, match=r"did you mean \['lowp.exclude'\]"):
+        Config.from_options({"lowp.exlude": ["x"]})
 
 
 def test_report_dir_is_created_and_left_clean(tmp_path):
@@ -191,24 +228,24 @@ def test_bad_inductor_options_name_the_key_and_where_to_look(patches, words):
 
 
 def test_env_options_used_when_none_are_given(monkeypatch):
-    monkeypatch.setenv("MOEPASS_OPTIONS", '{"passes": ["mxfp8_linear"], "mxfp8.wgrad_bf16": true}')
+    monkeypatch.setenv("MOEPASS_OPTIONS", '{"passes": ["linear"], "mxfp8.wgrad_bf16": true}')
     for none_given in (None, {}):
         config = Config.from_options(none_given)
-        assert config.pipeline == ("mxfp8_linear",) and config["mxfp8.wgrad_bf16"] is True
+        assert config.pipeline == ("linear",) and config["mxfp8.wgrad_bf16"] is True
 
 
 def test_env_options_reach_the_backend_through_torch_compile(monkeypatch):
     import moepass
 
-    monkeypatch.setenv("MOEPASS_OPTIONS", '{"passes": ["mxfp8_linear"], "inductor": false}')
+    monkeypatch.setenv("MOEPASS_OPTIONS", '{"passes": ["mxfp8_linear"], "inductor": false}')  # an old name
     compiled = torch.compile(torch.nn.Linear(32, 32), backend="moepass")
     with moepass.collecting() as report:
         compiled(torch.randn(4, 32))
-    assert report.config["passes"] == ["mxfp8_linear"] and report.config["inductor"] is False
+    assert report.config["passes"] == ["linear"] and report.config["inductor"] is False
 
 
 def test_explicit_options_win_and_env_is_ignored(monkeypatch):
-    monkeypatch.setenv("MOEPASS_OPTIONS", '{"passes": ["mxfp8_linear"]}')
+    monkeypatch.setenv("MOEPASS_OPTIONS", '{"passes": ["linear"]}')
     assert Config.from_options({"passes": ["deepep"]}).pipeline == ("deepep",)
     monkeypatch.setenv("MOEPASS_OPTIONS", "{not json")  # ignored whatever it holds
     assert Config.from_options({"passes": ["deepep"]}).pipeline == ("deepep",)

@@ -226,7 +226,7 @@ def account_for_gemms_and_all_to_alls(d: dict, c: SweepConfig) -> dict:
         assert not empty, f"{p['name']} skipped {empty} without a reason"
     # linear-shaped matmuls would be the linear pass's too; these models have none, so the counts below are exact
     assert not [op for op in MATMUL_OPS if before.get(op)], f"unexpected matmuls in {before}"
-    for op, name in zip(GEMM_OPS, ("mxfp8_linear", "mxfp8_grouped_mm")):
+    for op, name in zip(GEMM_OPS, ("linear", "grouped_mm")):
         replaced, skipped = passes[name]["replaced"], len(passes[name]["skipped"])
         assert replaced + skipped == before.get(op, 0), \
             f"{name}: {before.get(op, 0)} {op} nodes, {replaced} rewritten + {skipped} skipped"
@@ -439,7 +439,7 @@ def check_empty_batch_with_inductor(rank, world_size, result_dir):
     with open(os.path.join(result_dir, f"{EMPTY_BATCH.id}.rank{rank}.json")) as f:
         result = json.load(f)
     assert result["status"] == "passed" and result["loss"] == 0.0, result
-    assert result["passes"]["mxfp8_grouped_mm"]["replaced"] == 3, result["passes"]
+    assert result["passes"]["grouped_mm"]["replaced"] == 3, result["passes"]
 
 
 def test_empty_batch_trains_under_moepass_with_inductor(sweep_pools, tmp_path):

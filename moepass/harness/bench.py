@@ -133,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing (compile happens here)")
     p.add_argument("--variants", default=None,
                    help=f"comma list from {variant_names()} (default: inductor,[deepep with --ep>1,]"
-                        "mxfp8_grouped_mm,mxfp8_linear,all)")
+                        "grouped_mm,linear,all; the old names mxfp8_grouped_mm, mxfp8_linear still work)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                    help="an extra moepass variant: every pass with --options updated by JSON (repeatable), "
                         "e.g. 'wgrad_bf16={\"fp8_rowwise.wgrad_bf16\": true}'")

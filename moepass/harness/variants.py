@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from ..options import PIPELINE, Config
+from ..options import PASS_ALIASES, PIPELINE, Config
 from .peers import PEERS, convert_to_peer, inductor_patches, peer_problem
 
 BASELINE = "inductor"  # BF16 through Inductor: what every speedup and loss gap is measured against
@@ -47,7 +47,7 @@ def variant_names() -> list[str]:
 
 
 def default_variant_names(ep: int) -> list[str]:
-    names = ["inductor", "mxfp8_grouped_mm", "mxfp8_linear", "all"]
+    names = ["inductor", "grouped_mm", "linear", "all"]
     return names[:1] + ["deepep"] + names[1:] if ep > 1 else names
 
 
@@ -61,7 +61,7 @@ def resolve_variants(names: list[str], options: dict | None = None,
     """
     options = dict(options or {})
     Config.from_options(options)  # a bad --options fails here, before any model is built
-    known = [*variant_names(), "moepass"]
+    known = [*variant_names(), "moepass", *PASS_ALIASES]  # old pass names still name their pass
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"moepass: unknown variant(s) {unknown}; valid variants: {known}")

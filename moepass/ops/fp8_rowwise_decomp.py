@@ -5,7 +5,8 @@ per shape. Decomposed by AOTAutograd, Inductor sees amax -> power-of-two scale -
 ops: one fused reduction kernel per operand, which can also absorb the operand's producer (RMSNorm,
 SiLU * up) and a transposed write, while torch._scaled_mm / _scaled_grouped_mm stay the GEMMs.
 Same numbers as the ops: fp8_rowwise_quant.quantize (power-of-two scales), the same layouts, scale
-shapes, padding and FAST_ACCUM tables. The linear ops run these same functions eagerly for "scaled_mm".
+shapes, padding and GEMM primitives (scaled_gemms, FAST_ACCUM included). The linear ops run these same
+functions eagerly for "scaled_mm".
 
 Column-major operands are quantized as `t.t()` along its last dim into a row-major buffer, then viewed
 back with `.t()`: Inductor writes the transposed layout from the quantization kernel itself.
@@ -23,12 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import fp8_rowwise_linear
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import ALIGN
-from .fp8_rowwise_grouped_mm import scaled_grouped_mm, zero_rows_after_last_group
-
-BF16 = torch.bfloat16
+from .formats import FP8_ALIGN
+from .scaled_gemms import scaled_grouped_mm, scaled_mm, zero_rows_after_last_group
 
 
 # ---- operands in the layouts the FP8 GEMMs read --------------------------------------------------
@@ -47,14 +45,8 @@ def cols(t: Tensor) -> tuple[Tensor, Tensor]:
 
 def pad_tokens(t: Tensor) -> Tensor:
     """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs its reduction dim % 16 == 0."""
-    missing = -t.shape[0] % ALIGN
+    missing = -t.shape[0] % FP8_ALIGN
     return t if statically_known_true(missing == 0) else F.pad(t, (0, 0, 0, missing))
-
-
-def _scaled_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, gemm: str) -> Tensor:
-    """a [M, K] row-major (scale [M, 1]) @ b [K, N] column-major (scale [1, N]) -> bf16; scales are multipliers."""
-    return torch._scaled_mm(a_q, b_q, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
-                            out_dtype=BF16, use_fast_accum=fp8_rowwise_linear.FAST_ACCUM[gemm])
 
 
 # ---- the five GEMMs, kernel "scaled_mm" ----------------------------------------------------------
@@ -65,7 +57,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     tokens = x2.shape[0]
     x_q, x_scale = rows(pad_tokens(x2))
     w_q, w_scale = rows(weight)  # [N, K] row-major: its .t() is the column-major right operand
-    y = _scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), "fwd")[:tokens]
+    y = scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), "fwd")[:tokens]
     if bias is not None:
         y = y + bias  # bf16 add after the GEMM, as the op does
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -77,7 +69,7 @@ def linear_dgrad(grad_out: Tensor, weight: Tensor) -> Tensor:
     tokens = g2.shape[0]
     g_q, g_scale = rows(pad_tokens(g2))
     w_q, w_scale = cols(weight)  # [N, K] column-major, [1, K]
-    grad_x = _scaled_mm(g_q, g_scale, w_q, w_scale, "dgrad")[:tokens]
+    grad_x = scaled_mm(g_q, g_scale, w_q, w_scale, "dgrad")[:tokens]
     return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
@@ -86,7 +78,7 @@ def linear_wgrad(grad_out: Tensor, x: Tensor) -> Tensor:
     g2, x2 = pad_tokens(grad_out.reshape(-1, grad_out.shape[-1])), pad_tokens(x.reshape(-1, x.shape[-1]))
     g_q, g_scale = cols(g2)  # [M, N] column-major: .t() is row-major [N, M], scale [N, 1]
     x_q, x_scale = cols(x2)  # [M, K] column-major, [1, K]
-    return _scaled_mm(g_q.t(), g_scale.t(), x_q, x_scale, "wgrad")
+    return scaled_mm(g_q.t(), g_scale.t(), x_q, x_scale, "wgrad")
 
 
 def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:

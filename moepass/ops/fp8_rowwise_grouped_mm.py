@@ -1,4 +1,4 @@
-"""moepass::fp8_rowwise_grouped_mm (semantics of torch._grouped_mm(x, w_t, offs=offs)) and its backward GEMMs.
+"""FP8-rowwise grouped GEMMs (moepass::fp8_rowwise_grouped_mm, _dgrad, _wgrad; the op family is grouped_mm.py).
 
 Forward: x per row, each expert's weight per output channel (along K); dgrad: grad_out per row, each
 expert's weight per input channel (along N); wgrad: grad_out and x per (token group, column). GEMMs:
@@ -14,33 +14,11 @@ import torch
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_args import check_aligned
-from .fp8_rowwise_kernels import require_kernel
-from .gemm_args import check_bf16, check_offs
+from .fp8_rowwise_recipe import FP8_ROWWISE
+from .grouped_mm import define_grouped_mm_ops
 from .grouped_wgrad_bf16 import as_transposed_layout
-
-FAST_ACCUM = True  # torchao's _Float8GroupedMM runs all three grouped GEMMs with fast accumulation
-
-
-def _check_grouped(op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> None:
-    """tokens [M, K] (forward, name "x") or [M, N] (dgrad, name "grad_out") against w_t [E, K, N], offs int32 [E]."""
-    check_bf16(op, **{name: tokens}, w_t=w_t)
-    require_kernel(kernel, tokens.device, grouped=True)
-    if tokens.dim() != 2 or w_t.dim() != 3 or offs.dim() != 1:
-        raise ValueError(f"{op}: expected {name} [M, D], w_t [E, K, N] and offs [E], got {tuple(tokens.shape)}, "
-                         f"{tuple(w_t.shape)}, {tuple(offs.shape)}")
-    check_offs(op, offs, w_t.shape[0])
-    dim = 1 if name == "x" else 2
-    if tokens.shape[1] != w_t.shape[dim]:
-        raise ValueError(f"{op}: {name} {tuple(tokens.shape)} does not match w_t {tuple(w_t.shape)} "
-                         f"along {'K' if dim == 1 else 'N'}")
-    check_aligned(op, K=w_t.shape[1], N=w_t.shape[2])
-
-
-def zero_rows_after_last_group(out: Tensor, offs: Tensor) -> Tensor:
-    """Rows at or after offs[-1] set to zero by a pointwise select (Inductor fuses it into the consumer)."""
-    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
-    return torch.where(rows < offs[-1:], out, out.new_zeros(()))
+from .op_recipe import RecipeGemms
+from .scaled_gemms import scaled_grouped_mm, zero_rows_after_last_group
 
 
 def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tensor:
@@ -51,17 +29,7 @@ def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tenso
     return zero_rows_from_group_end_(out, offs)
 
 
-def scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
-    """torch._scaled_grouped_mm with our multipliers turned into its dequantization scales."""
-    return torch._scaled_grouped_mm(a_q, b_q, a_scale.reciprocal(), b_scale.reciprocal(), offs,
-                                    out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
-
-
-# ---- forward ---------------------------------------------------------------------------------------
-
-@torch.library.custom_op("moepass::fp8_rowwise_grouped_mm", mutates_args=())
-def fp8_rowwise_grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, wgrad_bf16: bool, kernel: str) -> Tensor:
-    _check_grouped("fp8_rowwise_grouped_mm", "x", x, w_t, offs, kernel)
+def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
     if x.shape[0] == 0:
         return x.new_zeros(0, w_t.shape[2])
     x_q, x_scale = quant.rows(x, kernel)  # [M, K], [M, 1]
@@ -73,17 +41,8 @@ def fp8_rowwise_grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, wgrad_bf16: boo
     return _zero_rows_after_last_group(out, offs, kernel)
 
 
-@fp8_rowwise_grouped_mm.register_fake
-def _(x, w_t, offs, wgrad_bf16, kernel):
-    _check_grouped("fp8_rowwise_grouped_mm", "x", x, w_t, offs, kernel)
-    return x.new_empty(x.shape[0], w_t.shape[2])
-
-
-# ---- dgrad: grad_x = grad_out @ w_t[g].T per group, scaled along N ----------------------------------
-
-@torch.library.custom_op("moepass::fp8_rowwise_grouped_mm_dgrad", mutates_args=())
-def fp8_rowwise_grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
-    _check_grouped("fp8_rowwise_grouped_mm_dgrad", "grad_out", grad_out, w_t, offs, kernel)
+def dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """grad_x = grad_out @ w_t[g].T per group, scaled along N."""
     if grad_out.shape[0] == 0:
         return grad_out.new_zeros(0, w_t.shape[1])
     g_q, g_scale = quant.rows(grad_out, kernel)  # [M, N], [M, 1]
@@ -96,27 +55,8 @@ def fp8_rowwise_grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, ke
     return _zero_rows_after_last_group(grad_x, offs, kernel)
 
 
-@fp8_rowwise_grouped_mm_dgrad.register_fake
-def _(grad_out, w_t, offs, kernel):
-    _check_grouped("fp8_rowwise_grouped_mm_dgrad", "grad_out", grad_out, w_t, offs, kernel)
-    return grad_out.new_empty(grad_out.shape[0], w_t.shape[1])
-
-
-# ---- wgrad: grad_w_t[g] = x[g].T @ grad_out[g], scaled along each group's tokens ---------------------
-
-def _check_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> None:
-    check_bf16("fp8_rowwise_grouped_mm_wgrad", grad_out=grad_out, x=x)
-    require_kernel(kernel, x.device, grouped=True)
-    if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
-        raise ValueError(f"fp8_rowwise_grouped_mm_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} "
-                         "must be 2-D with the same tokens")
-    check_offs("fp8_rowwise_grouped_mm_wgrad", offs)
-    check_aligned("fp8_rowwise_grouped_mm_wgrad", K=x.shape[1], N=grad_out.shape[1])
-
-
-@torch.library.custom_op("moepass::fp8_rowwise_grouped_mm_wgrad", mutates_args=())
-def fp8_rowwise_grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
-    _check_wgrad(grad_out, x, offs, kernel)
+def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """grad_w_t[g] = x[g].T @ grad_out[g], scaled along each group's tokens."""
     if x.shape[0] == 0:
         return as_transposed_layout(x.new_zeros(offs.shape[0], x.shape[1], grad_out.shape[1]))
     if kernel == "emulated":
@@ -133,31 +73,4 @@ def fp8_rowwise_grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kern
     return grad_w.transpose(-2, -1)  # [E, N, K] -> [E, K, N], column-major like w_t
 
 
-@fp8_rowwise_grouped_mm_wgrad.register_fake
-def _(grad_out, x, offs, kernel):
-    _check_wgrad(grad_out, x, offs, kernel)
-    return as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
-
-
-# ---- autograd ----------------------------------------------------------------------------------------
-
-def _setup_context(ctx, inputs, output):
-    x, w_t, offs, wgrad_bf16, kernel = inputs
-    ctx.save_for_backward(x, w_t, offs)
-    ctx.wgrad_bf16, ctx.kernel = wgrad_bf16, kernel
-
-
-def _backward(ctx, grad_out):
-    x, w_t, offs = ctx.saved_tensors
-    grad_x = grad_w_t = None
-    if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.moepass.fp8_rowwise_grouped_mm_dgrad(grad_out, w_t, offs, ctx.kernel)
-    if ctx.needs_input_grad[1]:
-        if ctx.wgrad_bf16:
-            grad_w_t = torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs)
-        else:
-            grad_w_t = torch.ops.moepass.fp8_rowwise_grouped_mm_wgrad(grad_out, x, offs, ctx.kernel)
-    return grad_x, grad_w_t, None, None, None
-
-
-fp8_rowwise_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+define_grouped_mm_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad))

@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from .device_arch import probe
+
 KERNELS = ("emulated", "scaled_mm")
 EMULATED_FALLBACK = ("use kernel='emulated' (the same rowwise e4m3 quantization in plain torch, exact "
                      "dequantization and a BF16 GEMM; runs on CPU and any CUDA GPU)")
@@ -31,22 +33,17 @@ def _triton_available() -> bool:
 
 def choose_fp8_rowwise_kernel(device: torch.device | str, grouped: bool) -> tuple[str, str]:
     """("scaled_mm" | "emulated", reason a user can read) for a linear (grouped=False) or grouped GEMM."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "emulated", f"{device.type.upper()}: no FP8 tensor cores; rowwise FP8 numerics emulated"
-    if not torch.cuda.is_available():
-        return "emulated", f"{device}: CUDA is not available in this process; rowwise FP8 numerics emulated"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    label, arch, name = f"cuda:{index}", f"sm_{major}{minor}", torch.cuda.get_device_name(index)
-    if grouped and major != 9:  # torch's rowwise FP8 grouped GEMM is a CUTLASS sm_90a kernel
-        return "emulated", f"{label} is {arch} ({name}); torch._scaled_grouped_mm rowwise needs sm_90"
-    if not grouped and (major, minor) < (8, 9):
-        return "emulated", f"{label} is {arch} ({name}); FP8 tensor cores need sm_89 or newer"
+    cuda = probe(torch.device(device), "FP8", "rowwise FP8 numerics emulated")
+    if isinstance(cuda, str):
+        return "emulated", cuda
+    if grouped and cuda.capability[0] != 9:  # torch's rowwise FP8 grouped GEMM is a CUTLASS sm_90a kernel
+        return "emulated", f"{cuda}; torch._scaled_grouped_mm rowwise needs sm_90"
+    if not grouped and cuda.capability < (8, 9):
+        return "emulated", f"{cuda}; FP8 tensor cores need sm_89 or newer"
     if not _triton_available():
-        return "emulated", f"{label} is {arch} ({name}) but Triton is unavailable for the FP8 quantization kernels"
+        return "emulated", f"{cuda} but Triton is unavailable for the FP8 quantization kernels"
     gemm = "torch._scaled_grouped_mm" if grouped else "torch._scaled_mm"
-    return "scaled_mm", f"{label} is {arch} ({name}): {gemm} on FP8 tensor cores, Triton rowwise quantization"
+    return "scaled_mm", f"{cuda}: {gemm} on FP8 tensor cores, Triton rowwise quantization"
 
 
 @functools.lru_cache(maxsize=None)

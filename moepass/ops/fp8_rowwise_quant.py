@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+from .formats import E4M3, E4M3_MAX
+
 AMAX_EPS = 1e-12  # torchao's floor on amax: an all-zero row gets a finite scale (and zero data)
 _EXPONENT_BITS = 0x7F800000
 

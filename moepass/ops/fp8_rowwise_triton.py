@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8_rowwise_quant import AMAX_EPS, E4M3, E4M3_MAX
+from .formats import E4M3, E4M3_MAX
+from .formats import FP8_ALIGN as ALIGN
+from .fp8_rowwise_quant import AMAX_EPS
 
-ALIGN = 16
 # 128 rows per step: 2-31% faster than 64 on an H200, most under skewed routing (a few large groups, each
 # walked by few programs); examples/results/token_group_quant_h200.json
 BLOCK_M, BLOCK_D = 128, 64

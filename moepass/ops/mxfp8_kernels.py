@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from .device_arch import probe
+
 KERNELS = ("emulated", "sm100")
 EMULATED_FALLBACK = "use kernel='emulated' (torchao emulated MXFP8 numerics, runs on CPU and any CUDA GPU)"
 
@@ -31,27 +33,17 @@ def _torchao_kernels_missing() -> str | None:
     return ", ".join(missing) or None
 
 
-def _device_label(device: torch.device) -> tuple[str, tuple[int, int], str]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"cuda:{index}", (major, minor), torch.cuda.get_device_name(index)
-
-
 def choose_mxfp8_kernel(device: torch.device | str) -> tuple[str, str]:
     """("sm100" | "emulated", reason a user can read) for MXFP8 GEMMs on `device`."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "emulated", f"{device.type.upper()}: no MXFP8 tensor cores; torchao emulated numerics"
-    if not torch.cuda.is_available():
-        return "emulated", f"{device}: CUDA is not available in this process; torchao emulated numerics"
-    label, (major, minor), name = _device_label(device)
-    arch = f"sm_{major}{minor}"
-    if major != 10:  # torchao's MXFP8 kernels are built for sm_10x only (not sm_90, not sm_120)
-        return "emulated", f"{label} is {arch} ({name}); native MXFP8 needs sm_100"
+    cuda = probe(torch.device(device), "MXFP8", "torchao emulated numerics")
+    if isinstance(cuda, str):
+        return "emulated", cuda
+    if cuda.capability[0] != 10:  # torchao's MXFP8 kernels are built for sm_10x only (not sm_90, not sm_120)
+        return "emulated", f"{cuda}; native MXFP8 needs sm_100"
     missing = _torchao_kernels_missing()
     if missing:
-        return "emulated", f"{label} is {arch} ({name}) but torchao MXFP8 kernels did not load: {missing}"
-    return "sm100", f"{label} is {arch} ({name}) and torchao MXFP8 kernels loaded"
+        return "emulated", f"{cuda} but torchao MXFP8 kernels did not load: {missing}"
+    return "sm100", f"{cuda} and torchao MXFP8 kernels loaded"
 
 
 def require_kernel(kernel: str, device: torch.device) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mxfp8_args import BLOCK_SIZE
+from .formats import MX_BLOCK
 
 
 @dataclass
@@ -26,13 +26,13 @@ class TokenGroupPadding:
 def plan_token_group_padding(offs: torch.Tensor, num_tokens: int) -> TokenGroupPadding:
     ends = offs.to(torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_sizes = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    padded_sizes = (sizes + MX_BLOCK - 1) // MX_BLOCK * MX_BLOCK
     padded_ends = torch.cumsum(padded_sizes, 0)
     # Row shift per group; one extra entry moves trailing tokens right after the last padded group.
     shift = torch.cat([padded_ends - padded_sizes - (ends - sizes), (padded_ends[-1:] - ends[-1:])])
     tokens = torch.arange(num_tokens, device=offs.device)
     group = torch.searchsorted(ends, tokens, right=True)
-    padded_rows = (num_tokens + BLOCK_SIZE * offs.numel() + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    padded_rows = (num_tokens + MX_BLOCK * offs.numel() + MX_BLOCK - 1) // MX_BLOCK * MX_BLOCK
     return TokenGroupPadding(
         padded_offs=padded_ends.to(torch.int32),
         token_rows=tokens + shift[group],

@@ -37,7 +37,7 @@ def test_json_schema(converge_run):
     assert result["config"]["data"] == "stdlib" and result["config"]["steps"] == STEPS
     for key in ("hardware", "versions", "commit", "command"):
         assert key in result
-    assert result["variants"]["moepass"]["options"]["passes"] == ["deepep", "mxfp8_grouped_mm", "mxfp8_linear"]
+    assert result["variants"]["moepass"]["options"]["passes"] == ["deepep", "grouped_mm", "linear"]
     assert result["variants"]["inductor"]["backend"] == "inductor"
 
 

@@ -16,6 +16,15 @@ def test_variants_map_to_backends_and_passes():
     assert "deepep" in variants.default_variant_names(ep=2) and "deepep" not in variants.default_variant_names(ep=1)
 
 
+def test_old_pass_names_are_variants_running_the_renamed_pass():
+    from moepass.options import Config
+
+    old, new = variants.resolve_variants(["mxfp8_grouped_mm", "grouped_mm"])
+    assert old.name == "mxfp8_grouped_mm" and old.options == {"passes": ["mxfp8_grouped_mm"]}
+    assert Config.from_options(old.options).pipeline == Config.from_options(new.options).pipeline == ("grouped_mm",)
+    assert variants.default_variant_names(ep=1) == ["inductor", "grouped_mm", "linear", "all"]
+
+
 def test_unknown_variant_or_bad_options_fail_before_any_work():
     with pytest.raises(ValueError, match="unknown variant"):
         variants.resolve_variants(["inductor", "fp4"])

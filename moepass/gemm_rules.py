@@ -1,4 +1,4 @@
-"""Eligibility rules shared by the two MXFP8 passes (linear and grouped GEMM).
+"""Eligibility rules shared by the two low-precision GEMM passes (linear and grouped_mm).
 
 Each rule returns None when a GEMM may be rewritten, else a reason a user can act on.
 """
@@ -8,17 +8,16 @@ from __future__ import annotations
 import torch
 
 from .graph import matches_any
+from .ops.formats import MX_BLOCK
 from .options import Config, OptionsError
-
-BLOCK = 32  # MXFP8: one E8M0 scale per 32 elements along the reduction dimension
 
 
 def module_filter_problem(path: str, config: Config) -> str | None:
-    hit = matches_any(path, config["mxfp8.exclude"])
+    hit = matches_any(path, config["lowp.exclude"])
     if hit is not None:
-        return f"excluded by mxfp8.exclude pattern {hit!r}"
-    if matches_any(path, config["mxfp8.include"]) is None:
-        return f"module path {path!r} matches no mxfp8.include pattern {list(config['mxfp8.include'])}"
+        return f"excluded by lowp.exclude pattern {hit!r}"
+    if matches_any(path, config["lowp.include"]) is None:
+        return f"module path {path!r} matches no lowp.include pattern {list(config['lowp.include'])}"
     return None
 
 
@@ -27,11 +26,11 @@ def dtype_problem(**tensors: torch.Tensor | None) -> str | None:
         if t is None:
             return f"{name} has no recorded tensor metadata"
         if t.dtype != torch.bfloat16:
-            return f"{name} is {t.dtype}, not bfloat16 (the MXFP8 recipe rewrites BF16 GEMMs only)"
+            return f"{name} is {t.dtype}, not bfloat16 (the low-precision GEMM passes rewrite BF16 GEMMs only)"
     return None
 
 
-def shape_problem(k: int, n: int, multiple: int = BLOCK) -> str | None:
+def shape_problem(k: int, n: int, multiple: int = MX_BLOCK) -> str | None:
     """None when K and N are positive multiples of `multiple` (the kernels' alignment), else what is off."""
     if k == 0 or n == 0:  # 0 is a multiple of anything, but there is nothing to quantize (a zero-width expert)
         return f"empty GEMM (K={k}, N={n}): nothing to quantize"

@@ -1,4 +1,5 @@
-"""mxfp8_linear: BF16 linears -> moepass::mxfp8_linear or moepass::fp8_rowwise_linear (all three GEMMs in FP8).
+"""linear (old name: mxfp8_linear): BF16 linears -> moepass::mxfp8_linear or moepass::fp8_rowwise_linear
+(all three GEMMs in FP8).
 
 The `recipe` option picks the op per node (moepass.fp8_recipe): MXFP8 on sm_100 and on CPU, FP8 rowwise
 on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere.
@@ -22,9 +23,9 @@ from moepass.analysis.scopes import Scope, dataflow, graph_scopes
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
                            tensor_meta)
 from moepass.gemm_plan import apply_plan, plan_gemm
-from moepass.mxfp8_rules import dtype_problem, module_filter_problem
+from moepass.gemm_rules import dtype_problem, module_filter_problem
 
-NAME = "mxfp8_linear"
+NAME = "linear"
 SUMMARY = ("BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear or fp8_rowwise_linear (per the recipe); "
            "router gate and output head stay BF16")
 log = logging.getLogger(__name__)
@@ -128,12 +129,12 @@ def _scope_linears(scope: Scope, g, top: fx.Graph) -> list[LinearMatch]:
 
 
 def _problem(m: LinearMatch, config) -> str | None:
-    if m.role == "router" and config["mxfp8.keep_router_bf16"]:
+    if m.role == "router" and config["lowp.keep_router_bf16"]:
         return ("router gate: its output feeds expert selection (top-k, arg-max, sort) "
-                "(kept BF16; mxfp8.keep_router_bf16)")
-    if m.role == "output_head" and config["mxfp8.keep_output_head_bf16"]:
+                "(kept BF16; lowp.keep_router_bf16)")
+    if m.role == "output_head" and config["lowp.keep_output_head_bf16"]:
         return ("output head (vocabulary projection): no GEMM or residual add after it in this graph (also the "
-                "last GEMM before a graph break looks so) (kept BF16; mxfp8.keep_output_head_bf16)")
+                "last GEMM before a graph break looks so) (kept BF16; lowp.keep_output_head_bf16)")
     problem = module_filter_problem(m.module, config)
     if problem:
         return problem
@@ -151,7 +152,7 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     for m in find_linears(gm):
         with record.in_scope(m.scope):
             _rewrite(m, config, record)
-    log.debug("mxfp8_linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
+    log.debug("linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
 
 
 def _rewrite(m: LinearMatch, config, record) -> None:

@@ -1,5 +1,5 @@
-"""mxfp8_grouped_mm: `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs -> moepass::mxfp8_grouped_mm
-or moepass::fp8_rowwise_grouped_mm, per the `recipe` option (moepass.fp8_recipe).
+"""grouped_mm (old name: mxfp8_grouped_mm): `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs ->
+moepass::mxfp8_grouped_mm or moepass::fp8_rowwise_grouped_mm, per the `recipe` option (moepass.fp8_recipe).
 
 The 2-D x 3-D form with int32 group-end offsets is the routed-experts GEMM of MoE layers
 (torchtitan, HF transformers' grouped_mm experts, our models/). Its forward, dgrad and wgrad run
@@ -17,9 +17,9 @@ from torch import fx
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
 from moepass.gemm_plan import apply_plan, plan_gemm
-from moepass.mxfp8_rules import dtype_problem, module_filter_problem
+from moepass.gemm_rules import dtype_problem, module_filter_problem
 
-NAME = "mxfp8_grouped_mm"
+NAME = "grouped_mm"
 SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "
            "(fwd and dgrad in FP8; the wgrad in FP8 or BF16 per the recipe's wgrad_bf16 option)")
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _problem(m: GroupedMMMatch, config) -> str | None:
     if m.bias is not None:
         return "grouped GEMM with bias is not rewritten"
     if m.out_dtype not in (None, torch.bfloat16):
-        return f"out_dtype={m.out_dtype} requested; the MXFP8 op returns bfloat16"
+        return f"out_dtype={m.out_dtype} requested; the low-precision ops return bfloat16"
     offs = tensor_meta(m.offs)
     if offs is None or offs.dtype != torch.int32:
         return f"offs is {getattr(offs, 'dtype', 'not a tensor')}, expected int32 group end offsets"
@@ -71,7 +71,7 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     for m in find_grouped_mms(gm):
         with record.in_scope(m.scope):
             _rewrite(m, config, record)
-    log.debug("mxfp8_grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
+    log.debug("grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
 
 
 def _rewrite(m: GroupedMMMatch, config, record) -> None:

@@ -1,13 +1,13 @@
-"""Argument checks shared by the MXFP8 ops; fake and real impls both run them, so errors surface at compile time."""
+"""The MXFP8 recipe as the op families see it: its scale-rounding setting, its kernels and its 32-element block."""
 
 from __future__ import annotations
 
 import torch
 
-from .gemm_args import check_multiple
+from .formats import MX_BLOCK
 from .mxfp8_kernels import require_kernel
+from .op_recipe import OpRecipe
 
-BLOCK_SIZE = 32  # MXFP8: one E8M0 scale per 32 e4m3 elements
 SCALE_ROUNDINGS = ("rceil", "floor")
 
 
@@ -17,11 +17,7 @@ def check_scale_rounding(scale_rounding: str) -> None:
                          "(torchao ScaleCalculationMode RCEIL / FLOOR)")
 
 
-def check_block_multiple(op: str, **dims: int) -> None:
-    check_multiple(op, BLOCK_SIZE, "the MXFP8 scale block", **dims)
-
-
-def check_strings(scale_rounding: str, kernel: str, device: torch.device) -> None:
+def _check_settings(device: torch.device, grouped: bool, scale_rounding: str, kernel: str) -> None:
     check_scale_rounding(scale_rounding)
     require_kernel(kernel, device)
 
@@ -31,3 +27,7 @@ def scale_mode(scale_rounding: str):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
     return ScaleCalculationMode(scale_rounding)
+
+
+MXFP8 = OpRecipe("mxfp8", settings=("str scale_rounding",), multiple=MX_BLOCK,
+                 multiple_why="the MXFP8 scale block", check_settings=_check_settings)

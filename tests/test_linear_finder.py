@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moepass.passes.mxfp8_linear import find_linears
+from moepass.passes.linear import find_linears
 
 
 class TinyMoEBlock(nn.Module):

@@ -29,28 +29,28 @@ def test_ineligible_gemms_skipped_with_reasons_and_results_unchanged():
     torch.manual_seed(0)
     model = Ineligible()
     x = torch.randn(2, 16, 48, dtype=torch.bfloat16)
-    report = moepass.inspect(model, x, options={"mxfp8.exclude": ["kept"], "mxfp8.keep_output_head_bf16": False})
+    report = moepass.inspect(model, x, options={"lowp.exclude": ["kept"], "lowp.keep_output_head_bf16": False})
     d = {p["name"]: p for p in report.to_dict()["passes"]}
-    linear = {s["module"]: s["reason"] for s in d["mxfp8_linear"]["skipped"]}
+    linear = {s["module"]: s["reason"] for s in d["linear"]["skipped"]}
     assert "K=48 not a multiple of 32" in linear["odd_k"]
     assert "torch.float32, not bfloat16" in linear["fp32"]
-    assert "excluded by mxfp8.exclude pattern 'kept'" in linear["kept"]
-    assert [r["module"] for r in d["mxfp8_linear"]["rewrites"]] == ["ok"]
-    (grouped,) = d["mxfp8_grouped_mm"]["skipped"]
+    assert "excluded by lowp.exclude pattern 'kept'" in linear["kept"]
+    assert [r["module"] for r in d["linear"]["rewrites"]] == ["ok"]
+    (grouped,) = d["grouped_mm"]["skipped"]
     assert "only the MoE form" in grouped["reason"]
-    for skip in d["mxfp8_linear"]["skipped"] + d["mxfp8_grouped_mm"]["skipped"]:
+    for skip in d["linear"]["skipped"] + d["grouped_mm"]["skipped"]:
         assert explain(skip["reason"]) is not None, skip  # documented in the README's table
-    out = torch.compile(model, backend="moepass", options={"mxfp8.exclude": ["kept"]})(x)
+    out = torch.compile(model, backend="moepass", options={"lowp.exclude": ["kept"]})(x)
     assert torch.isfinite(out)
 
 
 def test_include_patterns_limit_the_rewrite():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 96)).bfloat16()
-    report = moepass.inspect(model, torch.randn(8, 64, dtype=torch.bfloat16), options={"mxfp8.include": ["2"]})
-    linear = {p["name"]: p for p in report.to_dict()["passes"]}["mxfp8_linear"]
+    report = moepass.inspect(model, torch.randn(8, 64, dtype=torch.bfloat16), options={"lowp.include": ["2"]})
+    linear = {p["name"]: p for p in report.to_dict()["passes"]}["linear"]
     assert [r["module"] for r in linear["rewrites"]] == ["2"]
     reasons = {s["module"]: s["reason"] for s in linear["skipped"]}
-    assert "matches no mxfp8.include pattern" in reasons["0"] and "output head" in reasons["3"]
+    assert "matches no lowp.include pattern" in reasons["0"] and "output head" in reasons["3"]
 
 
 def test_readme_lists_what_moepass_leaves_alone_as_generated():
@@ -74,8 +74,8 @@ def test_zero_width_gemms_are_left_alone():
             return x + self.down(self.up(x)) + self.ok(x)
 
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    report = moepass.inspect(ZeroWidth(), x, options={"mxfp8.keep_output_head_bf16": False, "inductor": False})
-    linear = {p["name"]: p for p in report.to_dict()["passes"]}["mxfp8_linear"]
+    report = moepass.inspect(ZeroWidth(), x, options={"lowp.keep_output_head_bf16": False, "inductor": False})
+    linear = {p["name"]: p for p in report.to_dict()["passes"]}["linear"]
     reasons = {s["module"]: s["reason"] for s in linear["skipped"]}
     assert set(reasons) == {"up", "down"} and all("empty GEMM" in r for r in reasons.values()), reasons
     assert [r["module"] for r in linear["rewrites"]] == ["ok"]

@@ -1,0 +1,75 @@
+"""The low-precision op families (moepass/ops/linear.py, grouped_mm.py), one per GEMM kind, instantiated per
+recipe (op_recipe.OpRecipe): shared checks in the same words for every recipe, one device probe, leaf GEMM
+primitives. Each recipe's numerics are in test_mxfp8_ops.py and test_fp8_rowwise_ops.py."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
+from moepass.ops import device_arch, fp8_rowwise_decomp, scaled_gemms
+from moepass.ops.fp8_rowwise_recipe import FP8_ROWWISE
+from moepass.ops.mxfp8_recipe import MXFP8
+
+BF16 = torch.bfloat16
+RECIPES = {"mxfp8": (MXFP8, ("rceil",)), "fp8_rowwise": (FP8_ROWWISE, ())}  # recipe, its settings
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_gets_six_ops_whose_schemas_end_in_its_settings_and_kernel(name):
+    recipe, _ = RECIPES[name]
+    own = [s.split()[-1] for s in recipe.settings]
+    for gemm in ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad"):
+        args = [a.name for a in recipe.op(gemm).default._schema.arguments]
+        forward = gemm in ("linear", "grouped_mm")
+        tail = [*own, *(["wgrad_bf16"] if forward else []), "kernel"]
+        assert args[-len(tail):] == tail and set(args[:-len(tail)]) <= {"x", "weight", "bias", "grad_out", "w_t", "offs"}
+        assert str(recipe.op(gemm).default._schema.name) == f"moepass::{name}_{gemm}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_checks_name_the_op_and_the_operand_in_the_same_words_for_every_recipe(name):
+    recipe, settings = RECIPES[name]
+    w, w_t, offs = torch.randn(64, 64, dtype=BF16), torch.randn(2, 64, 64, dtype=BF16), torch.tensor([3, 8]).int()
+    with pytest.raises(ValueError, match=rf"^{name}_linear_dgrad: grad_out is torch.float32"):
+        recipe.op("linear_dgrad")(torch.randn(4, 64), w, *settings, "emulated")
+    with pytest.raises(ValueError, match=rf"^{name}_linear_wgrad: grad_out \(4, 64\) and x \(5, 64\) must share"):
+        recipe.op("linear_wgrad")(torch.randn(4, 64, dtype=BF16), torch.randn(5, 64, dtype=BF16), *settings, "emulated")
+    with pytest.raises(ValueError, match=rf"^{name}_grouped_mm_dgrad: grad_out \(8, 32\) does not match w_t .* along N"):
+        recipe.op("grouped_mm_dgrad")(torch.randn(8, 32, dtype=BF16), w_t, offs, *settings, "emulated")
+    with pytest.raises(ValueError, match=rf"^{name}_grouped_mm: offs must be int32 \[E\].*E=2"):
+        recipe.op("grouped_mm")(torch.randn(8, 64, dtype=BF16), w_t, offs[:1], *settings, False, "emulated")
+
+
+def test_probe_names_the_cuda_device_or_says_why_there_is_none(monkeypatch):
+    probe = device_arch.probe
+    assert probe(torch.device("cpu"), "FP8", "emulated") == "CPU: no FP8 tensor cores; emulated"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert probe(torch.device("cuda"), "MXFP8", "emulated") == "cuda: CUDA is not available in this process; emulated"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0) if index == 1 else (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: f"GPU {index}")
+    cuda = probe(torch.device("cuda"), "FP8", "emulated")
+    assert str(cuda) == "cuda:1 is sm_90 (GPU 1)" and cuda.capability == (9, 0)
+    assert str(probe(torch.device("cuda", 0), "FP8", "emulated")) == "cuda:0 is sm_100 (GPU 0)"
+
+
+def _moepass_imports(module) -> set[str]:
+    """The moepass.ops modules `module` imports (relative imports), by name."""
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found |= {n for n in names if n and n.startswith("moepass")}
+    return found
+
+
+def test_gemm_primitives_are_a_leaf_and_the_decomposition_imports_no_op_module():
+    assert _moepass_imports(scaled_gemms) == set()
+    assert _moepass_imports(fp8_rowwise_decomp) == {"fp8_rowwise_quant", "formats", "scaled_gemms"}
