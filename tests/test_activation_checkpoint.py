@@ -82,6 +82,7 @@ def test_checkpointed_blocks_get_the_same_rewrites_and_numbers(checkpointed):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~90 s cold: pytest -m extended; the rewrite counts and numerics under AC run in CI
 def test_checkpointed_model_under_inductor_recomputes_in_mxfp8():
     loss, grads, report = _step(_model("wrapper"), None)
     plain_loss, _, plain = _step(_model(None), {"inductor": False})

@@ -24,6 +24,7 @@ def test_inspect_prints_table_and_saves_report(tmp_path):
     assert (tmp_path / "report.html").exists()
 
 
+@pytest.mark.extended  # ~50 s cold: pytest -m extended; .ci/run runs the README's demo command itself and checks its output
 def test_demo_trains_both_backends_side_by_side():
     stdout = _moepass("demo", "--layers", "2", "--steps", "3", "--batch", "2", "--seq", "32")
     assert "[4/4] training 3 steps with backend='moepass'" in stdout

@@ -180,5 +180,6 @@ def test_ep_model_compiles_as_one_graph_and_matches_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~60 s cold: pytest -m extended; EP under Inductor also runs in test_deepep_pass
 def test_ep_model_compiles_with_inductor():
     run_on_ranks(2, _check_ep_compile, "inductor", timeout_s=580)
