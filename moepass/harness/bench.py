@@ -23,7 +23,7 @@ from .corpus import Batches, load_corpus
 from .flags import add_model_arguments, model_spec
 from .memory import PeakMemory
 from .model_spec import ModelSpec
-from .output import error_summary, say, write_outputs
+from .output import error_summary, say, write_json, write_outputs
 from .profiling import StepProfiler
 from .provenance import provenance
 from .ranks import AllReduceGradsOptimizer, Ranks
@@ -105,6 +105,20 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
     return entry
 
 
+def _bench_result(result: dict, args, spec: ModelSpec, ranks: Ranks, entries: list[dict], complete: bool) -> dict:
+    """The bench JSON: provenance, config and the variants measured so far (complete: all of them)."""
+    baseline = add_speedups(entries)
+    result.update(
+        config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
+                "warmup": args.warmup, "lr": args.lr, "seed": args.seed, "ep": args.ep, "data": args.data,
+                "device": str(ranks.device), "world_size": ranks.world, "profile": args.profile,
+                # the command above is one rank's; torchrun launched it when WORLD_SIZE > 1
+                "launcher": "torchrun" if ranks.world > 1 else None},
+        baseline=baseline, compile_s_method=COMPILE_S_METHOD,
+        peak_mem_kind=PeakMemory(ranks.device).kind, variants=entries, complete=complete)
+    return result
+
+
 def _fmt_bytes(n: int | None) -> str:
     return "-" if not n else f"{n / 2**20:,.0f} MiB"
 
@@ -161,24 +175,18 @@ def cmd_bench(args) -> int:
     say(f"moepass bench: {spec.describe()} on {ranks.world} x {ranks.device.type}, batch {args.batch} x seq "
         f"{args.seq}, {args.steps} steps ({args.warmup} warm-up), variants {[v.name for v in variants]}", ranks.rank)
 
+    result = provenance(SCHEMA, ranks.device, ranks.world) if ranks.rank == 0 else None
     entries = []
     for i, v in enumerate(variants, start=1):
         say(f"[{i}/{len(variants)}] {v.name}: backend={v.backend or 'eager'} options={v.options}", ranks.rank)
         entries.append(run_variant(v, spec, batches, steps=args.steps, warmup=args.warmup, lr=args.lr,
                                    seed=args.seed, ranks=ranks, ep=args.ep, profile=args.profile,
                                    log_every=log_every))
-    baseline = add_speedups(entries)
-    if ranks.rank == 0:
+        if result is not None and i < len(variants):  # a run cut short (a time limit) keeps what it measured
+            write_json(_bench_result(result, args, spec, ranks, entries, complete=False), args.out, "bench")
+    if result is not None:
+        result = _bench_result(result, args, spec, ranks, entries, complete=True)
         say("\n" + table(entries, ranks.world))
-        result = provenance(SCHEMA, ranks.device, ranks.world)
-        result.update(
-            config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                    "warmup": args.warmup, "lr": args.lr, "seed": args.seed, "ep": args.ep, "data": args.data,
-                    "device": str(ranks.device), "world_size": ranks.world, "profile": args.profile,
-                    # the command above is one rank's; torchrun launched it when WORLD_SIZE > 1
-                    "launcher": "torchrun" if ranks.world > 1 else None},
-            baseline=baseline, compile_s_method=COMPILE_S_METHOD,
-            peak_mem_kind=PeakMemory(ranks.device).kind, variants=entries)
         write_outputs(result, args.out, "bench", plot.bench_chart)
     if ranks.world > 1:
         from moepass.ops.ep_deepep import release_deepep_buffers

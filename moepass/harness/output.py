@@ -30,12 +30,19 @@ def json_safe(x):
     return x
 
 
-def write_outputs(result: dict, out_dir: str, stem: str, plot_fn) -> None:
-    """Write <out>/<stem>.json and, when matplotlib is installed, <out>/<stem>.png."""
+def write_json(result: dict, out_dir: str, stem: str) -> str:
+    """Write <out>/<stem>.json (replacing it whole: a reader never sees half a file); its path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{stem}.json")
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(json_safe(result), f, indent=1, allow_nan=False)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def write_outputs(result: dict, out_dir: str, stem: str, plot_fn) -> None:
+    """Write <out>/<stem>.json and, when matplotlib is installed, <out>/<stem>.png."""
+    path = write_json(result, out_dir, stem)
     say(f"wrote {path}")
     png = os.path.join(out_dir, f"{stem}.png")
     if plot_fn(result, png):

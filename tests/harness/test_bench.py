@@ -53,7 +53,33 @@ def test_json_schema_and_provenance(bench_run):
     assert result["hardware"]["device"] == "cpu" and result["hardware"]["world_size"] == 1
     assert result["config"]["steps"] == STEPS and result["config"]["model"]["overrides"] == TINY
     assert result["baseline"] == "inductor"
-    assert [v["name"] for v in result["variants"]] == VARIANTS
+    assert [v["name"] for v in result["variants"]] == VARIANTS and result["complete"] is True
+
+
+def test_a_run_cut_short_keeps_the_variants_it_measured(tmp_path, monkeypatch):
+    """After each variant bench.json holds what is measured so far (complete: false), so a time limit or a
+    crash in a later variant does not lose the earlier ones."""
+    import argparse
+
+    calls = []
+
+    def fake_run_variant(v, *args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt  # the run is killed during its second variant
+        calls.append(v.name)
+        return {"name": v.name, "status": "ok", "step_ms_median": 10.0}
+
+    monkeypatch.setattr(bench, "run_variant", fake_run_variant)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model-overrides", json.dumps(TINY), "--variants", "eager,inductor,all",
+                         "--steps", "3", "--warmup", "1", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.cmd_bench(args)
+    with open(tmp_path / "bench.json") as f:
+        partial = json.load(f)
+    assert partial["complete"] is False and [v["name"] for v in partial["variants"]] == ["eager"]
+    assert partial["variants"][0]["speedup_vs_baseline"] == 1.0 and partial["config"]["steps"] == 3
 
 
 def test_every_variant_ran_and_numbers_are_sane(bench_run):
