@@ -57,20 +57,27 @@ def validation_loss(loss_of, batches, n: int, device: torch.device) -> float:
 def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, steps: int, lr: float, lr_warmup: int,
                   seed: int, device: torch.device, val_n: int, log_every: int, nudge: bool = False) -> dict:
     entry = {"backend": variant.backend or "eager", "options": variant.options}
+    unavailable = variant.problem(device)
+    if unavailable:  # a peer recipe this device cannot run: said, not silently replaced by plain Inductor
+        say(f"  {variant.name}: not run: {unavailable}")
+        return {**entry, "status": "unavailable", "error": unavailable, "seconds": 0.0}
     start = time.perf_counter()
     try:
         torch._dynamo.reset()
         model = spec.build(seed, device)
         if nudge:
             nudge_weights(model, seed + 1)
+        variant.prepare(model)  # a peer recipe converts the weights before the optimizer sees them
         loss_of = variant.compile(with_loss(model))  # the loss compiled with the model, as `moepass bench` runs it
 
         def on_step(r) -> None:
             if r.step == 0 or (r.step + 1) % log_every == 0 or r.step + 1 == steps:
                 say(f"  {variant.name:<18} step {r.step + 1:>5}/{steps}  loss {r.loss:8.4f}  {r.seconds * 1e3:9.1f} ms")
 
-        results = train(model, loss_of, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup,
-                        loss_included=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=device.type == "cuda")
+        with torch._inductor.config.patch(variant.inductor_config()):
+            results = train(model, loss_of, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup,
+                            loss_included=True, optimizer=optimizer)
         entry.update(status="ok", loss=[r.loss for r in results],
                      val_loss=validation_loss(loss_of, val_batches, val_n, device))
     except Exception as e:  # noqa: BLE001 - report the failure, compare what did run
@@ -162,7 +169,7 @@ def summary(runs: dict, args) -> str:
     lines.append(f"\n{'variant':<18} {'final loss':>11} {'val loss':>10} {'final gap':>10} {'max window gap':>15}")
     for n, r in runs.items():
         if r["status"] != "ok":
-            lines.append(f"{n:<18} FAILED: {error_summary(r['error'])}")
+            lines.append(f"{n:<18} {'n/a' if r['status'] == 'unavailable' else 'FAILED'}: {error_summary(r['error'])}")
             continue
         gap = "-" if "final_loss_gap_rel" not in r else f"{r['final_loss_gap_rel'] * 100:.3f}%"
         win = "-" if "max_window_gap_rel" not in r else f"{r['max_window_gap_rel'] * 100:.3f}%"

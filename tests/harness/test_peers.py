@@ -31,6 +31,15 @@ def test_peer_on_a_device_without_its_kernels_is_recorded_with_the_reason_and_th
     assert "n/a" in bench.table(entries, 1) and "FAILED" not in bench.table(entries, 1)
 
 
+def test_converge_says_a_peer_cannot_run_here_instead_of_training_plain_inductor_under_its_name():
+    from moepass.harness.converge import train_variant
+
+    (peer,) = variants.resolve_variants(["torchao_fp8"])
+    entry = train_variant(peer, ModelSpec(overrides=TINY), None, None, steps=2, lr=1e-3, lr_warmup=0, seed=0,
+                          device=torch.device("cpu"), val_n=1, log_every=1)
+    assert entry["status"] == "unavailable" and "sm_89" in entry["error"] and "loss" not in entry
+
+
 @pytest.mark.parametrize("name, linear_cls, weight_cls", [
     ("torchao_fp8", "Float8Linear", "Float8TrainingWeightWrapperTensor"),
     ("torchao_mxfp8", "MXFP8Linear", "MXFP8TrainingWeightWrapperTensor"),
