@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from .gemm_rules import shape_problem
+from .ops.device_arch import probe
 from .ops.formats import FP8_ALIGN as ALIGN
 from .options import OptionsError
 
@@ -72,14 +73,6 @@ def example_tokens(m) -> tuple[int | None, str]:
     return None, "M data-dependent (unknown at compile time)"
 
 
-def _arch(device: torch.device) -> tuple[int, int] | None:
-    """Compute capability of a CUDA device this process can see, else None."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)
-
-
 def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
                   experts: int | None = None) -> tuple[str, str]:
     """recipe="auto": ("mxfp8" | "fp8_rowwise" | "bf16", reason) for one GEMM.
@@ -90,10 +83,10 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if kind not in FP8_ROWWISE_MIN:
         raise ValueError(f"kind={kind!r} is not one of {sorted(FP8_ROWWISE_MIN)}")
     device = torch.device(device)
-    cc = _arch(device)
-    if cc is None:
-        return "mxfp8", f"{device.type.upper()}: no FP8 tensor cores; MXFP8 numerics emulated (the reference recipe)"
-    arch = f"sm_{cc[0]}{cc[1]}"
+    gpu = probe(device, "FP8", "MXFP8 numerics emulated (the reference recipe)")
+    if isinstance(gpu, str):
+        return "mxfp8", gpu
+    cc, arch = gpu.capability, gpu.arch
     if cc[0] >= 10:
         return "mxfp8", f"{arch}: native MXFP8 (block-scaled FP8) tensor cores"
     if cc < (8, 9):
