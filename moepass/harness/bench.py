@@ -73,8 +73,7 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
 
         breaks = graph_break_count()
         # the loss is compiled with the model (one graph, as a training stack compiles it), in every variant
-        with (collecting() as report, torch._dynamo.config.patch(capture_scalar_outputs=ep > 1),
-              torch._inductor.config.patch(variant.inductor_config())):
+        with collecting() as report, torch._dynamo.config.patch(capture_scalar_outputs=ep > 1):
             results = train(model, variant.compile(with_loss(model)), batches, total, ranks.device, lr=lr,
                             on_step=on_step, optimizer=optimizer, loss_included=True)
         entry["graph_breaks"] = graph_break_count() - breaks

@@ -74,10 +74,8 @@ def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, st
             if r.step == 0 or (r.step + 1) % log_every == 0 or r.step + 1 == steps:
                 say(f"  {variant.name:<18} step {r.step + 1:>5}/{steps}  loss {r.loss:8.4f}  {r.seconds * 1e3:9.1f} ms")
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=device.type == "cuda")
-        with torch._inductor.config.patch(variant.inductor_config()):
-            results = train(model, loss_of, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup,
-                            loss_included=True, optimizer=optimizer)
+        results = train(model, loss_of, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup,
+                        loss_included=True)
         entry.update(status="ok", loss=[r.loss for r in results],
                      val_loss=validation_loss(loss_of, val_batches, val_n, device))
     except Exception as e:  # noqa: BLE001 - report the failure, compare what did run

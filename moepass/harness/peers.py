@@ -10,7 +10,7 @@ torchtitan's float8 converter does, the rowwise recipe turns on Inductor's `emul
 token groups padded to 32. Both are then compiled by plain Inductor, as torchtitan compiles them.
 
 The weights become torchao tensor subclasses, so AdamW needs `foreach=True` (torch otherwise falls back to a
-per-parameter loop for every parameter once one is a subclass); the bench's optimizer passes it for all.
+per-parameter loop for every parameter once one is a subclass); bench and converge pass it on CUDA for all.
 """
 
 from __future__ import annotations
@@ -20,21 +20,22 @@ import inspect
 import torch
 from torch import nn
 
+from ..ops.device_arch import probe
+
 # torchtitan's deepseek_v3 float8 config: filter_fqns=["lm_head", "router.gate"]; this model calls its head "output"
 KEEP_BF16 = ("lm_head", "output", "router.gate")
-PEERS = {"torchao_fp8": (8, 9), "torchao_mxfp8": (10, 0)}  # least compute capability each needs
+# least compute capability each needs: FP8 grouped GEMMs (torch._scaled_grouped_mm) need sm_90, MXFP8 sm_100
+PEERS = {"torchao_fp8": (9, 0), "torchao_mxfp8": (10, 0)}
 
 
 def peer_problem(name: str, device: torch.device) -> str | None:
     """Why peer variant `name` cannot run on `device`, or None."""
-    need = PEERS[name]
-    if device.type != "cuda":
-        return f"{name} needs a CUDA GPU of sm_{need[0]}{need[1]} or newer (torchao's FP8 kernels); device is {device}"
-    cc = torch.cuda.get_device_capability(device)
-    if cc < need:
-        return f"{name} needs sm_{need[0]}{need[1]} or newer; this GPU is sm_{cc[0]}{cc[1]}"
-    if name == "torchao_fp8" and cc[0] != 9 and cc < (10, 0):
-        return f"{name}: torchao's FP8 grouped GEMM needs sm_90 or sm_100+; this GPU is sm_{cc[0]}{cc[1]}"
+    need = f"sm_{PEERS[name][0]}{PEERS[name][1]}"
+    gpu = probe(device, "FP8", f"{name} needs a CUDA GPU of {need} or newer")
+    if isinstance(gpu, str):
+        return gpu
+    if gpu.capability < PEERS[name]:
+        return f"{name} needs {need} or newer; {gpu}"
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -48,7 +49,7 @@ def _is_expert_module(module: nn.Module, fqn: str) -> bool:
     return bool(params) and all(p.dim() == 3 for p in params)
 
 
-def _keeps_linear(module: nn.Module, fqn: str) -> bool:
+def _converts_linear(module: nn.Module, fqn: str) -> bool:
     """torchtitan's float8 module filter: nn.Linear, both dims multiples of 16, not a filtered FQN."""
     return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
             and not any(name in fqn for name in KEEP_BF16))
@@ -58,14 +59,14 @@ def convert_to_peer(name: str, model: nn.Module) -> dict:
     """Convert `model` in place to peer recipe `name`; returns what was converted (for the bench JSON)."""
     from torchao.quantization.quant_api import quantize_
 
-    linears = [fqn for fqn, m in model.named_modules() if _keeps_linear(m, fqn)]
+    linears = [fqn for fqn, m in model.named_modules() if _converts_linear(m, fqn)]
     experts = [fqn for fqn, m in model.named_modules() if _is_expert_module(m, fqn)]
     if name == "torchao_fp8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
-                                   module_filter_fn=_keeps_linear)
+                                   module_filter_fn=_converts_linear)
         quantize_(model, config=Float8TrainingOpConfig(), filter_fn=_is_expert_module)
         for fqn in experts:
             _pad_token_groups(model.get_submodule(fqn), 16)
@@ -116,6 +117,7 @@ def _mxfp8_linear_defaults() -> tuple:
     return KernelPreference.AUTO, ScaleCalculationMode.RCEIL, False
 
 
-def inductor_patches(name: str) -> dict:
-    """Inductor config torchtitan sets for the recipe (pytorch/pytorch#150859 for rowwise FP8)."""
-    return {"emulate_precision_casts": True} if name == "torchao_fp8" else {}
+def inductor_options(name: str) -> dict | None:
+    """Inductor config torchtitan sets for the recipe (pytorch/pytorch#150859 for rowwise FP8), as torch.compile's
+    options=."""
+    return {"emulate_precision_casts": True} if name == "torchao_fp8" else None

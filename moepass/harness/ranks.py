@@ -57,8 +57,7 @@ class AllReduceGradsOptimizer:
     """AdamW whose step first averages the replicated weights' gradients over ranks, in one bucket (as DDP)."""
 
     def __init__(self, model: torch.nn.Module, lr: float, ranks: Ranks):
-        # foreach on CUDA, as torch picks for plain tensors; forced, so that torchao's weight subclasses
-        # (peer variants) do not send every parameter down the per-parameter loop
+        # foreach on CUDA, forced as train()'s own AdamW does (tensor-subclass weights of the peer variants)
         self.inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0,
                                        foreach=ranks.device.type == "cuda")
         sharded = sharded_params(model)

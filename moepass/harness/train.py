@@ -44,7 +44,9 @@ def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device
     loss_included: `forward(tokens, targets)` returns the loss itself (`with_loss`, compiled with the model).
     lr_warmup: the learning rate ramps linearly over the first lr_warmup steps, then stays at its value.
     """
-    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # foreach on CUDA, as torch picks for plain tensors; forced, so that tensor-subclass weights (torchao's, in
+    # the peer variants) do not send every parameter down the per-parameter loop
+    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=device.type == "cuda")
     peak = [group["lr"] for group in opt.param_groups]
     results = []
     for i in range(steps):

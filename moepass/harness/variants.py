@@ -8,7 +8,7 @@ import json
 import torch
 
 from ..options import PASS_ALIASES, PIPELINE, Config
-from .peers import PEERS, convert_to_peer, inductor_patches, peer_problem
+from .peers import PEERS, convert_to_peer, inductor_options, peer_problem
 
 BASELINE = "inductor"  # BF16 through Inductor: what every speedup and loss gap is measured against
 
@@ -29,10 +29,6 @@ class Variant:
     def prepare(self, model: torch.nn.Module) -> dict | None:
         """Convert the freshly built model for a peer recipe (before its optimizer is built); what changed."""
         return convert_to_peer(self.peer, model) if self.peer else None
-
-    def inductor_config(self) -> dict:
-        """Inductor config this variant compiles under (what torchtitan sets for the peer recipe)."""
-        return inductor_patches(self.peer) if self.peer else {}
 
     def compile(self, fn):
         """`fn` (a module or a function) compiled as this variant runs it."""
@@ -76,7 +72,7 @@ def resolve_variants(names: list[str], options: dict | None = None,
         elif n == "inductor":
             out.append(Variant(n, "inductor"))
         elif n in PEERS:  # what users run instead: torchtitan's torchao recipe, compiled by Inductor
-            out.append(Variant(n, "inductor", peer=n))
+            out.append(Variant(n, "inductor", inductor_options(n), peer=n))
         else:
             passes = list(PIPELINE) if n in ("all", "moepass") else [n]
             out.append(Variant(n, "moepass", {**options, "passes": passes}))
