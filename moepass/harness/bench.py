@@ -35,8 +35,11 @@ SCHEMA = "moepass.bench/1"
 
 
 def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmup: int, lr: float, seed: int,
-                ranks: Ranks, ep: int, profile: bool = False, log_every: int = 1) -> dict:
-    """Train `variant` for `steps` steps; a failure is recorded (status "failed", error), never raised."""
+                ranks: Ranks, ep: int, profile: int = 0, log_every: int = 1) -> dict:
+    """Train `variant` for `steps` steps; a failure is recorded (status "failed", error), never raised.
+
+    profile: when > 0, 2 more steps run under the profiler and their top `profile` kernels go to the entry.
+    """
     entry = {"name": variant.name, "backend": variant.backend or "eager", "options": variant.options,
              "steps": steps, "warmup": warmup}
     if variant.peer:
@@ -57,7 +60,7 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
         converted = variant.prepare(model)
         if converted:
             entry["converted"] = converted
-        profiler = StepProfiler(ranks.device, steps, profile_steps) if profile else None
+        profiler = StepProfiler(ranks.device, steps, profile_steps, top=profile) if profile else None
         optimizer = AllReduceGradsOptimizer(model, lr, ranks)
         memory.reset()
         total = steps + profile_steps
@@ -151,7 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an extra moepass variant: every pass with --options updated by JSON (repeatable), "
                         "e.g. 'wgrad_bf16={\"fp8_rowwise.wgrad_bf16\": true}'")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun: 1 or WORLD_SIZE)")
-    p.add_argument("--profile", action="store_true", help="profile 2 extra steps per variant; the top 25 kernels to JSON")
+    p.add_argument("--profile", action="store_true", help="profile 2 extra steps per variant; the top kernels to JSON")
+    p.add_argument("--profile-top", type=int, default=25, metavar="N",
+                   help="how many kernels --profile keeps, by device time (a large N lists every kernel)")
     p.add_argument("--out", default=".", help="directory for bench.json and bench.png")
 
 
@@ -179,8 +184,8 @@ def cmd_bench(args) -> int:
     for i, v in enumerate(variants, start=1):
         say(f"[{i}/{len(variants)}] {v.name}: backend={v.backend or 'eager'} options={v.options}", ranks.rank)
         entries.append(run_variant(v, spec, batches, steps=args.steps, warmup=args.warmup, lr=args.lr,
-                                   seed=args.seed, ranks=ranks, ep=args.ep, profile=args.profile,
-                                   log_every=log_every))
+                                   seed=args.seed, ranks=ranks, ep=args.ep, log_every=log_every,
+                                   profile=args.profile_top if args.profile else 0))
         if result is not None and i < len(variants):  # a run cut short (a time limit) keeps what it measured
             write_json(_bench_result(result, args, spec, ranks, entries, complete=False), args.out, "bench")
     if result is not None:

@@ -29,12 +29,13 @@ def profile_table(prof, device: torch.device, top: int = 25) -> list[dict]:
 class StepProfiler:
     """Profiles the last `steps` steps of a run (started and stopped from the train loop's on_step)."""
 
-    def __init__(self, device: torch.device, start_after: int, steps: int):
+    def __init__(self, device: torch.device, start_after: int, steps: int, top: int = 25):
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof = profile(activities=acts)
         self.device, self.start_after, self.stop_after = device, start_after, start_after + steps
+        self.top = top
         self.rows: list[dict] = []
 
     def on_step(self, step: int) -> None:
@@ -42,4 +43,4 @@ class StepProfiler:
             self.prof.start()
         elif step == self.stop_after - 1:
             self.prof.stop()
-            self.rows = profile_table(self.prof, self.device)
+            self.rows = profile_table(self.prof, self.device, self.top)
