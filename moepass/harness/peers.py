@@ -9,8 +9,9 @@ torchtitan's float8 converter does, the rowwise recipe turns on Inductor's `emul
 `torchao_mxfp8` is its Blackwell recipe: torchao's MXFP8 linears and MXFP8 expert GEMMs (RCEIL scales),
 token groups padded to 32. Both are then compiled by plain Inductor, as torchtitan compiles them.
 
-The weights become torchao tensor subclasses, so AdamW needs `foreach=True` (torch otherwise falls back to a
-per-parameter loop for every parameter once one is a subclass); bench and converge pass it on CUDA for all.
+The weights become torchao tensor subclasses, so AdamW is forced to `fused=True` (torch otherwise falls back to
+a per-parameter loop for every parameter once one is a subclass); bench and converge use it on CUDA for all,
+as torchtitan does by default (`train.adamw`).
 """
 
 from __future__ import annotations

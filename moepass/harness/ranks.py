@@ -8,6 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .train import adamw
+
 
 @dataclasses.dataclass
 class Ranks:
@@ -57,9 +59,7 @@ class AllReduceGradsOptimizer:
     """AdamW whose step first averages the replicated weights' gradients over ranks, in one bucket (as DDP)."""
 
     def __init__(self, model: torch.nn.Module, lr: float, ranks: Ranks):
-        # foreach on CUDA, forced as train()'s own AdamW does (tensor-subclass weights of the peer variants)
-        self.inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0,
-                                       foreach=ranks.device.type == "cuda")
+        self.inner = adamw(model.parameters(), lr, ranks.device)
         sharded = sharded_params(model)
         self.replicated = [p for p in model.parameters() if id(p) not in sharded and p.requires_grad]
         self.ranks = ranks

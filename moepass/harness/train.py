@@ -35,6 +35,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def adamw(params, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """The AdamW every variant trains with: fused on CUDA, torchtitan's default ("implementation": "fused").
+
+    One kernel per parameter group instead of foreach's chain of passes over every weight, gradient and moment:
+    at DeepSeek-V3 671B dims (3 layers, 8.5e9 BF16 weights) foreach AdamW took 97 ms of a 546 ms step.
+    Forced rather than left to torch, which falls back to its per-parameter loop for every parameter once one
+    is a tensor subclass (torchao's weights in the peer variants); the fused kernel takes those too.
+    """
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True if device.type == "cuda" else None)
+
+
 def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device: torch.device,
           lr: float = 3e-4, on_step: Callable[[StepResult], None] | None = None,
           optimizer: torch.optim.Optimizer | None = None, lr_warmup: int = 0,
@@ -44,9 +55,7 @@ def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device
     loss_included: `forward(tokens, targets)` returns the loss itself (`with_loss`, compiled with the model).
     lr_warmup: the learning rate ramps linearly over the first lr_warmup steps, then stays at its value.
     """
-    # foreach on CUDA, as torch picks for plain tensors; forced, so that tensor-subclass weights (torchao's, in
-    # the peer variants) do not send every parameter down the per-parameter loop
-    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=device.type == "cuda")
+    opt = optimizer or adamw(model.parameters(), lr, device)
     peak = [group["lr"] for group in opt.param_groups]
     results = []
     for i in range(steps):

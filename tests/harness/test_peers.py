@@ -59,7 +59,30 @@ def test_conversion_keeps_router_gates_and_output_head_bf16(name, linear_cls, we
     assert experts and done["expert_modules"] == len(experts)
     for fqn in experts:
         assert all(type(p.data).__name__ == weight_cls for p in model.get_submodule(fqn).parameters())
-    torch.optim.AdamW(model.parameters(), foreach=True)  # the bench's optimizer takes the subclass weights
+
+
+def test_fused_adamw_updates_torchao_subclass_weights_as_plain_ones():
+    # the bench's AdamW is fused on CUDA (train.adamw); fused on CPU runs the same update rule
+    updated = []
+    for convert in (True, False):
+        torch.manual_seed(0)
+        model = build_model("debug")
+        if convert:
+            peers.convert_to_peer("torchao_fp8", model)
+        params = list(model.parameters())
+        gen = torch.Generator().manual_seed(0)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.0, fused=True)
+        opt.step()
+        opt.step()
+        updated.append([p.detach().float() for p in params])
+        kinds = {type(p).__name__ for p in params}
+        assert ("Float8TrainingWeightWrapperTensor" in kinds) == convert
+    torch.manual_seed(0)
+    start = [p.detach().float() for p in build_model("debug").parameters()]
+    assert all(not torch.equal(a, s) for a, s in zip(updated[0], start) if a.numel() > 64)
+    assert all(torch.equal(a, b) for a, b in zip(*updated))
 
 
 def test_unknown_peer_is_refused_by_name():
