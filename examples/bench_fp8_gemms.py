@@ -17,6 +17,13 @@ FP8_ROWWISE_MIN for moepass/fp8_recipe.py. Opt-in: --eager (the ops uncompiled),
 DeepSeek-V3 blockwise recipe), --sweep (the size sweep behind the thresholds), --autotune (let Inductor
 autotune Triton templates against aten's _scaled_mm, as a default-mode training compile does; slower).
 The whole-training-step comparison is `moepass bench` (the command is printed at the end).
+
+    python examples/bench_fp8_gemms.py --auto-table
+
+re-derives the table recipe="auto" reads on Hopper (moepass/fp8_auto_table_h200.json, see
+moepass/fp8_auto_table.py): every linear above (and the dense FFNs) at each of --tokens-list, and the routed
+expert MLP of each flavor in context (gather, w1, w3, SiLU*up, w2, forward and backward, compiled) at each of
+--tokens-per-expert-list, each against BF16 compiled the same way.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
-from moepass import fp8_recipe
+from moepass import fp8_auto_table, fp8_recipe
 from moepass.harness.provenance import git_commit, package_version
 from moepass.ops import fp8_rowwise_decomp as decomp
 from moepass.ops.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
@@ -350,11 +358,111 @@ def suggestions(result: dict) -> dict:
                         if result["grouped"] + result["grouped_sweep"] else None)}
 
 
+# ---- the table recipe="auto" reads (--auto-table) ----------------------------------------------------
+
+# (flavor, dim, moe_inter_dim) of the routed experts, measured as a whole MLP on AUTO_EXPERTS experts
+AUTO_MLPS = [("16B", 2048, 1408), ("671B", 7168, 2048)]
+AUTO_EXPERTS, AUTO_TOP_K = 16, 8
+
+
+def expert_mlp(fp8: bool):
+    """The routed experts as a MoE layer runs them: gather the routed tokens, w1 and w3, SiLU*up, w2.
+
+    The FP8 version calls the op the grouped_mm pass writes under recipe="auto" (FP8 forward and dgrad, BF16
+    wgrad); compiled, Inductor fuses the activations' quantization into the gather and the SiLU*up, as in a model.
+    """
+    def gemm(a, w, offs):
+        w_t = w.transpose(-2, -1)
+        if fp8:
+            return ops.fp8_rowwise_grouped_mm(a, w_t, offs, True, "scaled_mm")
+        return torch._grouped_mm(a, w_t, offs=offs)
+
+    def mlp(hidden, idx, w1, w3, w2, offs):
+        x = hidden[idx]
+        return gemm(F.silu(gemm(x, w1, offs)) * gemm(x, w3, offs), w2, offs)
+
+    return mlp
+
+
+def bench_expert_mlp(dim: int, inter: int, tokens_per_expert: int, args) -> dict:
+    experts = AUTO_EXPERTS
+    m = experts * tokens_per_expert
+    sizes = routed_group_sizes(experts, m, seed=dim + m)
+    gen = torch.Generator(device=DEVICE).manual_seed(dim + inter + m)
+    hidden = torch.randn(m // AUTO_TOP_K, dim, device=DEVICE, dtype=BF16, generator=gen).requires_grad_()
+    idx = torch.randint(0, m // AUTO_TOP_K, (m,), device=DEVICE, generator=gen)
+    w1, w3 = ((torch.randn(experts, inter, dim, device=DEVICE, generator=gen) / dim**0.5).to(BF16).requires_grad_()
+              for _ in range(2))
+    w2 = (torch.randn(experts, dim, inter, device=DEVICE, generator=gen) / inter**0.5).to(BF16).requires_grad_()
+    offs = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    grad_out = torch.randn(m, dim, device=DEVICE, dtype=BF16, generator=gen)
+    leaves = (hidden, w1, w3, w2)
+    run = lambda fn: time_ms(fn, args.warmup, args.iters)  # noqa: E731
+    row = {"dim": dim, "inter": inter, "experts": experts, "tokens_per_expert": tokens_per_expert,
+           "group_sizes_min_max": [min(sizes), max(sizes)]}
+    began = time.perf_counter()
+    torch._dynamo.reset()
+    for name, fp8 in (("bf16", False), ("fp8", True)):
+        fn = compiled(expert_mlp(fp8), args.autotune)
+        row[f"{name}_ms"] = round(run(lambda fn=fn: torch.autograd.grad(
+            fn(hidden, idx, w1, w3, w2, offs), leaves, grad_out)), 4)
+    row["speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 3)
+    row["seconds"] = round(time.perf_counter() - began, 1)
+    return row
+
+
+def auto_table(args) -> int:
+    """Measure and write the table fp8_auto_table reads; the rows are printed as they come."""
+    began = time.perf_counter()
+    cc = torch.cuda.get_device_capability()
+    models = args.models.split(",")
+    table = {"schema": fp8_auto_table.SCHEMA, **provenance(cc),
+             "capability": list(cc), "settings": {"iters": args.iters, "warmup": args.warmup,
+                                                  "min_speedup": fp8_auto_table.MIN_SPEEDUP,
+                                                  "expert_mlp": {"experts": AUTO_EXPERTS, "top_k": AUTO_TOP_K,
+                                                                 "wgrad": "BF16 (fp8_rowwise.wgrad_bf16=auto)"}},
+             "linear": [], "grouped": []}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every row: a run cut short keeps what it measured
+        table["seconds"] = round(time.perf_counter() - began, 1)
+        out.write_text(json.dumps(table, indent=1) + "\n")
+
+    tokens_list = [int(t) for t in args.tokens_list.split(",")]
+    print(f"{table['gpu']} ({table['capability']}), torch {table['torch']}: fwd+dgrad+wgrad speedup of compiled "
+          "FP8 rowwise over BF16, quantization included")
+    for model, name, k, n in LINEARS + MORE_LINEARS:
+        if model not in models:
+            continue
+        for tokens in tokens_list:
+            r = bench_linear(tokens, k, n, args, extras=False)
+            bf16, fp8 = sum(r["bf16_ms"].values()), sum(r["fp8_rowwise_ms"].values())
+            table["linear"].append({"model": model, "gemm": name, "K": k, "N": n, "tokens": tokens,
+                                    "bf16_ms": round(bf16, 4), "fp8_ms": round(fp8, 4),
+                                    "speedup": r["speedup"]["fwd+bwd"], "compile_s": r["compile_s"]})
+            print(f"{model:<5} {name:<22} K={k:<6} N={n:<6} M={tokens:<6} {r['speedup']['fwd+bwd']:6.3f}x", flush=True)
+            save()
+    for model, dim, inter in AUTO_MLPS:
+        if model not in models:
+            continue
+        for per_expert in (int(t) for t in args.tokens_per_expert_list.split(",")):
+            r = {"model": model, **bench_expert_mlp(dim, inter, per_expert, args)}
+            table["grouped"].append(r)
+            print(f"{model:<5} expert MLP dim={dim} inter={inter} tokens/expert={per_expert:<5} {r['speedup']:6.3f}x",
+                  flush=True)
+            save()
+    save()
+    fp8_auto_table.AutoTable(table, str(out))  # the file must load as recipe="auto" will read it
+    print(f"wrote {out} in {table['seconds']} s")
+    return 0
+
+
 # ---- provenance and main ------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="examples/results/fp8_gemms_h200.json")
+    p.add_argument("--out", default=None, help="JSON to write (default examples/results/fp8_gemms_h200.json)")
     p.add_argument("--tokens", type=int, default=16384, help="M (tokens) of the DeepSeek-V3 linears")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -368,9 +476,17 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new GEMM after this many seconds (0: no limit; default 90, none with --sweep); "
                         "the 16B shapes run first")
+    p.add_argument("--auto-table", action="store_true",
+                   help="measure the table recipe=auto reads (per GEMM and token count) into --out "
+                        f"(default moepass/{fp8_auto_table.SHIPPED.name})")
+    p.add_argument("--tokens-list", default="4096,8192,16384,32768", help="--auto-table: M of the linears")
+    p.add_argument("--tokens-per-expert-list", default="512,1024,2048,4096",
+                   help="--auto-table: tokens per expert of the expert MLPs")
     p.add_argument("--autotune", action="store_true",
                    help="let Inductor autotune _scaled_mm against Triton templates (default: aten's kernel)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(fp8_auto_table.SHIPPED) if args.auto_table else "examples/results/fp8_gemms_h200.json"
     if args.budget_s is None:
         args.budget_s = 0.0 if args.sweep else 90.0
     return args
@@ -405,19 +521,25 @@ HEADER = (f"{'model':<5} {'GEMM':<22} {'shape':<30} " + " ".join(f"{g:>7}" for g
           + f"  {'fp8 ms':>7} {'comp s':>6}  auto")
 
 
+def provenance(cc: tuple[int, int]) -> dict:
+    return {"gpu": torch.cuda.get_device_name(), "capability": f"sm_{cc[0]}{cc[1]}",
+            "torch": torch.__version__, "torchao": package_version("torchao"), "triton": package_version("triton"),
+            "cuda": torch.version.cuda, "commit": git_commit()["commit"],
+            "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fp8_gemms: needs a CUDA GPU (sm_89+; grouped GEMMs sm_90)", file=sys.stderr)
         return 2
+    if args.auto_table:
+        return auto_table(args)
     began = time.perf_counter()
     cc = torch.cuda.get_device_capability()
     result = {
-        "schema": SCHEMA, "gpu": torch.cuda.get_device_name(), "capability": f"sm_{cc[0]}{cc[1]}",
-        "torch": torch.__version__, "torchao": package_version("torchao"), "triton": package_version("triton"),
-        "cuda": torch.version.cuda, "commit": git_commit()["commit"],
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "schema": SCHEMA, **provenance(cc),
         "settings": {"tokens": args.tokens, "iters": args.iters, "warmup": args.warmup, "budget_s": args.budget_s,
                      "fp8_rowwise_path": "torch.compile + moepass decompositions (Inductor), static shapes",
                      "scaled_mm_autotune": args.autotune,

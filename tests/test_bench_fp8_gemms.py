@@ -4,6 +4,7 @@ row built on CPU (torch._scaled_mm's CPU kernel, a CPU timer, aot_eager with moe
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import time
 
@@ -13,7 +14,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from moepass.ops import fp8_rowwise_decomp as decomp
-from helpers import scaled_mm_on_cpu  # noqa: F401  (fixture)
+from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,3 +100,55 @@ def test_linear_row_on_cpu(bench, scaled_mm_on_cpu, monkeypatch):  # noqa: F811
     assert row["speedup"]["fwd+bwd"] > 0 and row["train_step"]["fp8_rowwise_ms"] > 0
     assert row["auto_recipe"] and "blockwise" not in row  # opt-in
     print(bench.format_row("16B", "test", "M=40", row))
+
+
+def test_auto_table_on_cpu_writes_a_table_that_loads(bench, scaled_grouped_mm_on_cpu, monkeypatch, tmp_path):  # noqa: F811
+    """--auto-table end to end on CPU: one linear at two token counts and one expert MLP at two loads."""
+    from moepass import fp8_auto_table
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "compiled", _cpu_compiled)
+    monkeypatch.setattr(bench, "time_ms", _cpu_time_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "CPU standing in")
+    monkeypatch.setattr(bench, "LINEARS", [("16B", "attention.wq", 64, 48)])
+    monkeypatch.setattr(bench, "MORE_LINEARS", [])
+    monkeypatch.setattr(bench, "AUTO_MLPS", [("16B", 64, 32)])
+    out = tmp_path / "table.json"
+    args = bench.parse_args(["--auto-table", "--iters", "1", "--warmup", "0", "--out", str(out),
+                             "--tokens-list", "32,64", "--tokens-per-expert-list", "16,32"])
+    assert bench.auto_table(args) == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == fp8_auto_table.SCHEMA and data["capability"] == [9, 0]
+    assert [(r["K"], r["N"], r["tokens"]) for r in data["linear"]] == [(64, 48, 32), (64, 48, 64)]
+    assert [(r["dim"], r["inter"], r["tokens_per_expert"]) for r in data["grouped"]] == [(64, 32, 16), (64, 32, 32)]
+    for r in data["linear"] + data["grouped"]:
+        assert r["speedup"] == pytest.approx(r["bf16_ms"] / r["fp8_ms"], rel=2e-3)
+    table = fp8_auto_table.AutoTable(data, str(out))
+    assert table.linear(64, 48, 64).speedup == data["linear"][1]["speedup"]
+    assert table.grouped(32, 64, 32).speedup == data["grouped"][1]["speedup"]  # w2 of the MLP
+
+
+def test_expert_mlp_bf16_is_the_routed_swiglu(bench):
+    torch.manual_seed(0)
+    hidden, idx = torch.randn(6, 16), torch.tensor([0, 3, 5, 1, 1, 2, 4, 0])
+    w1, w3, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 16), torch.randn(2, 16, 8)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    out = bench.expert_mlp(fp8=False)(hidden.bfloat16(), idx, w1.bfloat16(), w3.bfloat16(), w2.bfloat16(), offs)
+    x = hidden.bfloat16().float()[idx]
+    for e, rows in enumerate((slice(0, 3), slice(3, 8))):
+        h = torch.nn.functional.silu(x[rows] @ w1[e].bfloat16().float().t()) * (x[rows] @ w3[e].bfloat16().float().t())
+        torch.testing.assert_close(out[rows].float(), h @ w2[e].bfloat16().float().t(), rtol=0.05, atol=0.3)
+
+
+def _cpu_compiled(fn, autotune):
+    return torch.compile(fn, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                                                  decompositions=decomp.fp8_rowwise_decompositions()),
+                         dynamic=False, fullgraph=True)
+
+
+def _cpu_time_ms(fn, warmup, iters):
+    began = time.perf_counter()
+    fn()
+    return (time.perf_counter() - began) * 1e3

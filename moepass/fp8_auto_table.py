@@ -1,0 +1,97 @@
+"""The measured table behind recipe="auto" on Hopper: FP8 rowwise against BF16, per GEMM and per token count.
+
+Each row is one GEMM shape at one token count, timed on one GPU by
+`python examples/bench_fp8_gemms.py --auto-table` (the command that re-derives this file), quantization included:
+- linear rows: a linear's forward, dgrad and wgrad, compiled as moepass compiles them, (K, N) at M tokens;
+- grouped rows: a routed expert MLP in context (the gather of the routed tokens, w1 and w3, SiLU*up, w2,
+  forward and backward), since alone each grouped GEMM loses while in the model Inductor fuses the
+  activations' quantization into their producers. Keyed by the MLP's (dim, inter) at tokens per expert.
+
+A GEMM whose shape the table holds is decided by the speedup at its token count, interpolated in log(tokens)
+between the two measured counts around it. Below the smallest count measured it stays BF16 (unmeasured, and
+FP8's margin shrinks with M); above the largest it takes the largest's (the margin grows with M). Shapes the
+table does not hold fall back to fp8_recipe.FP8_ROWWISE_MIN.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+
+SCHEMA = "moepass.fp8_auto_table/1"
+# The table shipped with moepass, and the device kind it was measured on (other kinds use the fallback rule).
+SHIPPED = pathlib.Path(__file__).with_name("fp8_auto_table_h200.json")
+# FP8 must beat BF16 by this much to be picked: a smaller margin is within run-to-run noise of the timings,
+# and FP8 costs accuracy.
+MIN_SPEEDUP = 1.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The table's answer for one GEMM: its interpolated speedup (None: outside what was measured) and how."""
+
+    speedup: float | None
+    detail: str
+
+    @property
+    def fp8(self) -> bool:
+        return self.speedup is not None and self.speedup >= MIN_SPEEDUP
+
+
+class AutoTable:
+    def __init__(self, data: dict, source: str):
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA!r}; re-derive it with "
+                             "`python examples/bench_fp8_gemms.py --auto-table`")
+        self.source, self.gpu, self.capability = source, data["gpu"], tuple(data["capability"])
+        self._linear: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        for r in data["linear"]:
+            self._linear.setdefault((r["K"], r["N"]), []).append((r["tokens"], r["speedup"]))
+        self._grouped: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        for r in data["grouped"]:
+            self._grouped.setdefault((r["dim"], r["inter"]), []).append((r["tokens_per_expert"], r["speedup"]))
+        for curves in (self._linear, self._grouped):
+            for curve in curves.values():
+                curve.sort()
+
+    def linear(self, k: int, n: int, tokens: int) -> Verdict | None:
+        """None when (K, N) was not measured."""
+        curve = self._linear.get((k, n))
+        return None if curve is None else _interpolate(curve, tokens, "M", f"linear K={k} N={n}")
+
+    def grouped(self, k: int, n: int, tokens_per_expert: int) -> Verdict | None:
+        """An expert GEMM (K, N) of a measured MLP: w1 or w3 (dim, inter), both fused (dim, 2*inter), w2 (inter, dim)."""
+        for (dim, inter), curve in self._grouped.items():
+            if (k, n) in ((dim, inter), (dim, 2 * inter), (inter, dim)):
+                return _interpolate(curve, tokens_per_expert, "tokens per expert",
+                                    f"expert MLP dim={dim} inter={inter}")
+        return None
+
+
+def _interpolate(curve: list[tuple[int, float]], tokens: int, unit: str, what: str) -> Verdict:
+    counts = [t for t, _ in curve]
+    measured = ", ".join(f"{s:.2f}x at {t}" for t, s in curve)
+    if tokens < counts[0]:
+        return Verdict(None, f"{what}: {unit}={tokens} is below the smallest measured ({counts[0]}; {measured})")
+    i = bisect.bisect_left(counts, tokens)
+    if i < len(counts) and counts[i] == tokens:
+        return Verdict(curve[i][1], f"{what}: measured {curve[i][1]:.2f}x at {unit}={tokens}")
+    if i == len(counts):
+        return Verdict(curve[-1][1], f"{what}: {curve[-1][1]:.2f}x at the largest {unit} measured "
+                                     f"({counts[-1]}), here {tokens}")
+    (t0, s0), (t1, s1) = curve[i - 1], curve[i]
+    s = s0 + (s1 - s0) * (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+    return Verdict(s, f"{what}: {s:.2f}x at {unit}={tokens}, interpolated in log {unit} between "
+                      f"{s0:.2f}x at {t0} and {s1:.2f}x at {t1}")
+
+
+@functools.cache
+def shipped() -> AutoTable | None:
+    """The table in the package, or None when it is absent (then every GEMM takes the fallback rule)."""
+    if not SHIPPED.exists():
+        return None
+    return AutoTable(json.loads(SHIPPED.read_text()), f"moepass/{SHIPPED.name}")
