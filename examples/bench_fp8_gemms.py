@@ -418,7 +418,6 @@ def auto_table(args) -> int:
     models = args.models.split(",")
     table = {"schema": fp8_auto_table.SCHEMA, **provenance(cc),
              "capability": list(cc), "settings": {"iters": args.iters, "warmup": args.warmup,
-                                                  "min_speedup": fp8_auto_table.MIN_SPEEDUP,
                                                   "expert_mlp": {"experts": AUTO_EXPERTS, "top_k": AUTO_TOP_K,
                                                                  "wgrad": "BF16 (fp8_rowwise.wgrad_bf16=auto)"}},
              "linear": [], "grouped": []}

@@ -25,9 +25,9 @@ import pathlib
 SCHEMA = "moepass.fp8_auto_table/1"
 # The table shipped with moepass, and the device kind it was measured on (other kinds use the fallback rule).
 SHIPPED = pathlib.Path(__file__).with_name("fp8_auto_table_h200.json")
-# FP8 must beat BF16 by this much to be picked: a smaller margin is within run-to-run noise of the timings,
-# and FP8 costs accuracy.
-MIN_SPEEDUP = 1.01
+# FP8 must beat BF16 by this much to be picked: FP8 costs accuracy, and smaller margins are within the noise
+# of the timings (16B attention.wo, K=N=2048, measured 0.55x at M=16384 and 1.02x at M=32768).
+MIN_SPEEDUP = 1.03
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@
 recipe="auto": MXFP8 on sm_100 and newer (native block-scaled FP8 tensor cores); FP8 rowwise on
 sm_89/sm_90 where it measured faster than BF16 for the GEMM's shape, BF16 where quantizing would cost
 more than the faster GEMM saves; MXFP8 emulated on CPU (the reference numerics moepass is tested on).
+On the GPU kind the table in fp8_auto_table was measured on, a GEMM whose shape it holds is decided by its
+speedup at the graph's token count; any other GEMM by the size rule FP8_ROWWISE_MIN.
 An explicitly requested recipe is honoured everywhere (emulated where the device has no kernels).
 Every decision comes with a reason a user can read in the report.
 """
@@ -13,6 +15,7 @@ import dataclasses
 
 import torch
 
+from . import fp8_auto_table
 from .gemm_rules import shape_problem
 from .ops.device_arch import probe
 from .ops.formats import FP8_ALIGN as ALIGN
@@ -34,25 +37,23 @@ class MinShape:
     work: float = 0.0
 
 
-# Smallest shapes where FP8 rowwise (quantization included) beat BF16 on an H200 under torch.compile.
-# None: slower than BF16 at every shape measured.
+# The size rule for GEMMs the measured table (fp8_auto_table) does not hold, or on another GPU kind: the
+# smallest shapes where FP8 rowwise (quantization included) beat BF16 by fp8_auto_table.MIN_SPEEDUP on an
+# H200 under torch.compile, read off that table. None: slower than BF16 at every shape measured.
 FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
-    # Per GEMM, forward, dgrad and wgrad together (examples/bench_fp8_gemms.py), at M=16384 only: every linear
-    # with min(K, N) >= 1536 and K*N >= 5.7e6 saved time or broke even (671B wq_a +0.09 ms, shared experts
-    # +0.32/+0.37, wq_b +0.55, wo +5.9; 16B wq +0.01, shared w2 +0.07, w1|w3 -0.005); every one below lost
-    # (16B wo K=N=2048 -0.43, wkv_a N=576 -0.22, wkv_b K=512 -0.22; 671B wkv_b K=512 -0.69).
-    "linear": MinShape(k=1536, n=1536, tokens=16384, work=5.7e6),
-    # Forward and dgrad (the wgrad stays BF16 under fp8_rowwise.wgrad_bf16="auto": WGRAD_BF16_AUTO), judged on
-    # whole training steps, since alone each grouped GEMM with its quantization ran 0.78-0.99x but in the model
-    # Inductor fuses the activations' quantization into their producers. 16B (K=2048, N=1408, 3072 tokens per
-    # expert, 8.9e9 per group): a small win, 264.3 vs 266.4 ms per step. 671B dims (K=7168/2048, N=2048/7168,
-    # 2048 tokens per expert, 3.0e10 per group): FP8 experts 1.116x against 1.076x with them in BF16
-    # (examples/results/fp8_bound_671B_h200/). So the work per expert group decides, from 8.8e9.
-    "grouped": MinShape(k=1024, n=1024, tokens=512, work=8.8e9),
+    # Forward, dgrad and wgrad together. At M >= 16384 every linear with min(K, N) >= 1536 and K*N >= 1e7 won
+    # (671B wq_a 1.06x, wq_b 1.11x, wo 1.69x, shared experts 1.19/1.20x, dense FFNs 1.12-1.65x) and every one
+    # below lost or broke even (16B wq K*N=6.3e6 1.02x, shared experts 0.97/0.98x, wo 0.55x; K=512 or N=576:
+    # 0.39-0.78x). Smaller M wins only for the largest GEMMs, which the table holds.
+    "linear": MinShape(k=1536, n=1536, tokens=16384, work=1.0e7),
+    # The routed expert MLP in context (forward and dgrad FP8, the wgrad BF16 as WGRAD_BF16_AUTO says): at 671B
+    # dims (K*N=1.5e7) 0.92x at 1024 tokens per expert, 1.05x at 2048, 1.16x at 4096: 1.03x from ~1850 tokens per
+    # expert, 2.7e10 per group; 16B (K*N=2.9e6) lost up to 4096 tokens per expert (0.96x, 1.2e10 per group).
+    "grouped": MinShape(k=1024, n=1024, tokens=512, work=2.7e10),
 }
 # Where FP8_ROWWISE_MIN and WGRAD_BF16_AUTO come from, quoted in every reason.
-THRESHOLDS_SOURCE = ("measured on H200: examples/results/fp8_gemms_h200.json (per GEMM), "
-                     "examples/results/step_16B_fp8_h200/ and fp8_bound_671B_h200/ (training steps)")
+THRESHOLDS_SOURCE = (f"measured on H200: moepass/{fp8_auto_table.SHIPPED.name} (per GEMM and token count), "
+                     "examples/results/step_16B_fp8_h200/ (training steps)")
 
 # fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds. A grouped wgrad in FP8
 # needs both operands quantized per (token group, column), a pass of their own over the routed tokens
@@ -104,7 +105,12 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         if tokens is None:  # e.g. after an expert-parallel dispatch: the op cannot be decomposed (may be empty)
             return "bf16", (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
                             f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
-    if kind == "linear":  # any M above the token floor: the per-GEMM measurements were all at M=16384
+    table = fp8_auto_table.shipped()
+    if tokens is not None and table is not None and table.capability == cc:
+        verdict = table.linear(k, n, tokens) if kind == "linear" else table.grouped(k, n, tokens)
+        if verdict is not None:
+            return _table_decision(verdict, arch, table, how)
+    if kind == "linear":  # the size rule: shapes the table does not hold
         work, least_work = k * n, "K*N"
     else:
         work, least_work = (None if tokens is None else tokens * k * n), f"{per}*K*N"
@@ -118,6 +124,15 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
                         f"thresholds: {THRESHOLDS_SOURCE}")
     return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens}, "
                            f"{least_work}>={need.work:.3g} ({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
+
+
+def _table_decision(verdict: fp8_auto_table.Verdict, arch: str, table: fp8_auto_table.AutoTable,
+                    how: str) -> tuple[str, str]:
+    source = f"{table.source}, measured on {table.gpu}"
+    if verdict.fp8:
+        return "fp8_rowwise", f"{arch}: FP8 rowwise wins here: {verdict.detail} ({how}; {source})"
+    need = f"needs >= {fp8_auto_table.MIN_SPEEDUP:.2f}x"
+    return "bf16", f"left in BF16: FP8 rowwise does not pay here: {verdict.detail}; {need} ({how}; {source})"
 
 
 def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: int, n: int,

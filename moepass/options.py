@@ -103,8 +103,8 @@ OPTIONS: tuple[Option, ...] = (
            expects="a dict of torch._inductor.config names to values, e.g. {'max_autotune': True}"),
     Option("report_dir", None, "write the report (json, code, html) here after each compiled graph",
            check=_is_dir_path, expects="a directory path or None"),
-    # auto's Hopper thresholds are measured (fp8_recipe.FP8_ROWWISE_MIN): large linears, and expert GEMMs at
-    # thousands of tokens per expert (forward and dgrad; their wgrad stays BF16)
+    # auto on Hopper reads a measured table (fp8_auto_table: per GEMM and token count), and a size rule
+    # (fp8_recipe.FP8_ROWWISE_MIN) for shapes it does not hold
     Option("recipe", "auto", "low-precision recipe of the grouped_mm and linear passes: auto = mxfp8 on "
            "sm_100+ and CPU (emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; "
            "or force mxfp8 / fp8_rowwise",

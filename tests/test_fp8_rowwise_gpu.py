@@ -39,15 +39,17 @@ def test_cuda_device_reports_its_kernel_choice():
 
 
 @needs_sm90
-def test_recipe_auto_on_hopper_follows_the_measured_thresholds():
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 10944)
-    assert recipe == "fp8_rowwise", reason
-    need = fp8_recipe.FP8_ROWWISE_MIN["grouped"]
-    tokens = 64 * 3072  # 16B: 64 experts at the load its training step was measured at
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", tokens, 2048, 1408, experts=64)
-    assert recipe == ("bf16" if need is None else "fp8_rowwise") and fp8_recipe.THRESHOLDS_SOURCE in reason, reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", tokens // 4, 2048, 1408, experts=64)
-    assert recipe == "bf16", reason
+def test_recipe_auto_on_hopper_follows_the_measured_table():
+    from moepass import fp8_auto_table
+
+    table = fp8_auto_table.shipped()
+    on_table_gpu = table is not None and table.capability == CC
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 10944)  # 16B dense FFN: 1.14x
+    assert recipe == "fp8_rowwise" and (not on_table_gpu or fp8_auto_table.SHIPPED.name in reason), reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 64 * 3072, 2048, 1408, experts=64)
+    assert recipe == "bf16", reason  # the 16B expert MLP lost at every load measured
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 64 * 2048, 7168, 2048, experts=64)
+    assert recipe == "fp8_rowwise", reason  # 671B dims: 1.05x at 2048 tokens per expert
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 64)
     assert recipe == "bf16" and "too small" in reason
 

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers the ops before moepass.ops lists them)
 import moepass.ops.fp8_rowwise_linear  # noqa: F401
-from moepass import fp8_recipe
+from moepass import fp8_auto_table, fp8_recipe
 from moepass.ops.fp8_rowwise_kernels import choose_fp8_rowwise_kernel
 from moepass.options import OPTIONS, OptionsError
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
@@ -396,28 +396,39 @@ def test_sm100_gets_mxfp8(cuda_capability):
         assert recipe == "mxfp8" and "sm_100" in reason
 
 
-def test_sm90_large_gemms_get_fp8_rowwise_with_the_measured_thresholds(cuda_capability):
+def test_sm90_large_gemms_get_fp8_rowwise_from_the_table_or_the_size_rule(cuda_capability):
     cuda_capability(9, 0)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 3072)
-    assert recipe == "fp8_rowwise" and "sm_90" in reason and "M=16384" in reason
-    assert fp8_recipe.THRESHOLDS_SOURCE in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 32768, 2048, 3072)  # 16B wq: in the table
+    assert recipe == "fp8_rowwise" and "sm_90" in reason and "at M=32768" in reason
+    assert fp8_auto_table.SHIPPED.name in reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, 4096)  # not in it: the size rule
+    assert recipe == "fp8_rowwise" and "M=16384" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
 
 
-def test_sm90_grouped_gemms_take_fp8_only_at_the_measured_load(cuda_capability, monkeypatch):
+def test_sm90_grouped_gemms_outside_the_table_take_fp8_only_at_the_rules_load(cuda_capability, monkeypatch):
     cuda_capability(9, 0)
     need = fp8_recipe.FP8_ROWWISE_MIN["grouped"]
-    per_expert = math.ceil(need.work / (2048 * 1408))  # the work per expert group decides, not tokens alone
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 2048, 1408, experts=16)
+    per_expert = math.ceil(need.work / (4096 * 3072))  # the work per expert group decides, not tokens alone
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 4096, 3072, experts=16)
     assert recipe == "fp8_rowwise" and fp8_recipe.THRESHOLDS_SOURCE in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 8, 2048, 1408, experts=16)
-    assert recipe == "bf16" and f"tokens per expert*K*N={per_expert // 2 * 2048 * 1408:.3g}" in reason, reason
-    # at 671B dims (K=7168, N=2048) fewer tokens per expert carry the same work: 2048 per expert pays there
-    assert fp8_recipe.choose_recipe("cuda", "grouped", 2048 * 16, 7168, 2048, experts=16)[0] == "fp8_rowwise"
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 8, 4096, 3072, experts=16)
+    assert recipe == "bf16" and f"tokens per expert*K*N={per_expert // 2 * 4096 * 3072:.3g}" in reason, reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", (need.tokens - 1) * 16, 65536, 65536, experts=16)
     assert recipe == "bf16" and f"tokens per expert={need.tokens - 1} < {need.tokens}" in reason
     monkeypatch.setitem(fp8_recipe.FP8_ROWWISE_MIN, "grouped", None)  # a GPU where FP8 never won
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 2048, 1408, experts=16)
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 4096, 3072, experts=16)
     assert recipe == "bf16" and "slower than BF16" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
+
+
+def test_sm90_expert_gemms_of_a_measured_mlp_follow_its_table_rows(cuda_capability):
+    cuda_capability(9, 0)
+    # 671B dims: the expert MLP won from 2048 tokens per expert; 16B dims lost at every load measured
+    for k, n in ((7168, 2048), (2048, 7168)):
+        assert fp8_recipe.choose_recipe("cuda", "grouped", 2048 * 64, k, n, experts=64)[0] == "fp8_rowwise"
+        recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 1024 * 64, k, n, experts=64)
+        assert recipe == "bf16" and "expert MLP dim=7168 inter=2048" in reason, reason
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 3072 * 64, 2048, 1408, experts=64)
+    assert recipe == "bf16" and "interpolated" in reason and "does not pay" in reason
 
 
 def test_sm90_grouped_gemms_with_unknown_tokens_stay_bf16(cuda_capability):
@@ -444,27 +455,31 @@ def test_wgrad_bf16_auto_keeps_grouped_wgrads_bf16_and_linear_wgrads_fp8():
 
 def test_sm90_small_gemms_stay_bf16_saying_why(cuda_capability):
     cuda_capability(9, 0)
-    need = fp8_recipe.FP8_ROWWISE_MIN["linear"]
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, need.n // 2)
+    need = fp8_recipe.FP8_ROWWISE_MIN["linear"]  # shapes the table does not hold: the size rule
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, need.n // 2)
     assert recipe == "bf16" and reason.startswith("left in BF16: too small for FP8 to win")
-    assert f"N={need.n // 2} < {need.n}" in reason and f"M*K*N={16384 * 2048 * (need.n // 2):.3g}" in reason
+    assert f"N={need.n // 2} < {need.n}" in reason and f"M*K*N={16384 * 4096 * (need.n // 2):.3g}" in reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", need.tokens // 2, 4096, 4096)
     assert recipe == "bf16" and f"tokens={need.tokens // 2}" in reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, need.k // 2, 4096)
     assert recipe == "bf16" and f"K={need.k // 2} < {need.k}" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 2048)  # 16B attention.wo: lost 0.43 ms
-    assert recipe == "bf16" and f"K*N={2048 * 2048:.3g} < {need.work:.3g}" in reason
-    assert fp8_recipe.choose_recipe("cuda", "linear", 16384, 7168, 1536)[0] == "fp8_rowwise"  # 671B wq_a: +0.09 ms
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 3072, 3072)
+    assert recipe == "bf16" and f"K*N={3072 * 3072:.3g} < {need.work:.3g}" in reason
+    # a shape the table holds: its measurement decides (16B attention.wo lost at M=16384)
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 2048)
+    assert recipe == "bf16" and "does not pay" in reason and "at M=16384" in reason
+    assert fp8_recipe.choose_recipe("cuda", "linear", 16384, 7168, 1536)[0] == "fp8_rowwise"  # 671B wq_a: 1.06x
+    assert fp8_recipe.choose_recipe("cuda", "linear", 8192, 7168, 1536)[0] == "bf16"  # 0.99x at 8192
 
 
 def test_sm90_decides_on_k_and_n_when_m_is_unknown_and_says_so(cuda_capability):
     cuda_capability(9, 0)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(None), 2048, 3072)
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(None), 4096, 4096)
     assert recipe == "fp8_rowwise" and "unknown at compile time" in reason
     recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(32768), 2048, 3072)
     assert recipe == "fp8_rowwise" and "example M=32768" in reason
-    recipe, _ = fp8_recipe.choose_recipe("cuda", "linear", _symint(64), 2048, 3072)
-    assert recipe == "bf16"  # the example M decides when there is one
+    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(64), 2048, 3072)
+    assert recipe == "bf16" and "below the smallest measured" in reason  # the example M decides when there is one
     recipe, _ = fp8_recipe.choose_recipe("cuda", "grouped", None, 2048, 512, experts=8)
     assert recipe == "bf16"
 
