@@ -41,7 +41,8 @@ ROWS: tuple[LeftAlone, ...] = (
     LeftAlone("grouped_mm", "out_dtype=", "a non-BF16 output was asked for", "-"),
     LeftAlone("grouped_mm", "offs is", "group offsets are not int32", "`torch.cumsum(..., dtype=torch.int32)`"),
     LeftAlone("both", "left in BF16:", "recipe auto on this GPU: no FP8 tensor cores, or FP8 measured slower than "
-              "BF16 at this size (moepass.fp8_recipe's table)", "`recipe: fp8_rowwise` (or `mxfp8`) to force it"),
+              "BF16 at this size and token count (moepass/fp8_auto_table_h200.json, or the size rule "
+              "fp8_recipe.FP8_ROWWISE_MIN for shapes it does not hold)", "`recipe: fp8_rowwise` (or `mxfp8`) to force it"),
     LeftAlone("both", "no recorded tensor metadata", "Dynamo recorded no shape for an operand", "report it: a bug"),
     # ---- deepep
     LeftAlone("deepep", "not part of a dispatch/combine pair", "an all-to-all that is not an MoE token exchange "
