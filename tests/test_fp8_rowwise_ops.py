@@ -588,3 +588,14 @@ def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16():
         final[name] = sum(r.loss for r in results[-5:]) / 5
     assert final["bf16"] < 6.0, f"BF16 baseline did not learn: {final}"
     assert abs(final["fp8_rowwise"] - final["bf16"]) / final["bf16"] <= 0.03, final
+
+
+def test_sm90_at_671b_dims_with_8192_tokens_per_rank_rewrites_the_linears_the_table_says_pay(cuda_capability):
+    """EP=2 at 8,192 tokens per rank: the old single 16,384-token floor left every linear BF16."""
+    cuda_capability(9, 0)
+    shapes = {"attention.wq_a": (7168, 1536), "attention.wq_b": (1536, 24576), "attention.wkv_a": (7168, 576),
+              "attention.wkv_b": (512, 32768), "attention.wo": (16384, 7168), "shared_experts.w1": (7168, 2048),
+              "shared_experts.w2": (2048, 7168), "dense_ffn.w1": (7168, 18432), "dense_ffn.w2": (18432, 7168)}
+    picks = {name: fp8_recipe.choose_recipe("cuda", "linear", 8192, k, n)[0] for name, (k, n) in shapes.items()}
+    assert {name for name, recipe in picks.items() if recipe == "fp8_rowwise"} == {
+        "attention.wq_b", "attention.wo", "shared_experts.w1", "shared_experts.w2", "dense_ffn.w1", "dense_ffn.w2"}
