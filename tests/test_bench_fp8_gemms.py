@@ -124,7 +124,7 @@ def test_auto_table_on_cpu_writes_a_table_that_loads(bench, scaled_grouped_mm_on
     assert [(r["K"], r["N"], r["tokens"]) for r in data["linear"]] == [(64, 48, 32), (64, 48, 64)]
     assert [(r["dim"], r["inter"], r["tokens_per_expert"]) for r in data["grouped"]] == [(64, 32, 16), (64, 32, 32)]
     for r in data["linear"] + data["grouped"]:
-        assert r["speedup"] == pytest.approx(r["bf16_ms"] / r["fp8_ms"], rel=2e-3)
+        assert r["speedup"] == pytest.approx(r["bf16_ms"] / r["fp8_ms"], rel=0.02, abs=2e-3)  # both rounded
     table = fp8_auto_table.AutoTable(data, str(out))
     assert table.linear(64, 48, 64).speedup == data["linear"][1]["speedup"]
     assert table.grouped(32, 64, 32).speedup == data["grouped"][1]["speedup"]  # w2 of the MLP
