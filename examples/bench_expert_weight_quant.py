@@ -77,17 +77,17 @@ def _quantize_both_kernel(w_ptr, row_amax_ptr, col_amax_ptr, q_fwd_ptr, q_dgrad_
     tl.store(q_dgrad_ptr + offset + k[:, None] * N + n[None, :], tl.trans(q_dgrad), mask=tl.trans(mask))
 
 
-def both_layouts(w: torch.Tensor):
+def both_layouts(w: torch.Tensor, block_n: int = BLOCK_N, block_k: int = BLOCK_K):
     """w [E, N, K] bf16 -> (q_fwd [E, N, K], scale [E, N]) along K and (q_dgrad [E, K, N], scale [E, K]) along N."""
     E, N, K = w.shape
     row_amax = torch.empty(E, N, device=w.device, dtype=torch.float32)
     col_amax = torch.zeros(E, K, device=w.device, dtype=torch.float32)
     q_fwd = torch.empty(E, N, K, device=w.device, dtype=E4M3)
     q_dgrad = torch.empty(E, K, N, device=w.device, dtype=E4M3)
-    _amax_both_kernel[(triton.cdiv(N, BLOCK_N), E)](w, row_amax, col_amax, N, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    _quantize_both_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K), E)](
+    _amax_both_kernel[(triton.cdiv(N, block_n), E)](w, row_amax, col_amax, N, K, BLOCK_N=block_n, BLOCK_K=block_k)
+    _quantize_both_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k), E)](
         w, row_amax, col_amax, q_fwd, q_dgrad, N, K, FP8_MAX=E4M3_MAX, EPS=AMAX_EPS,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_N=block_n, BLOCK_K=block_k)
     scale_of = scale_from_amax  # the reference rounding, for the scales the GEMMs get
     return (q_fwd, scale_of(row_amax)), (q_dgrad, scale_of(col_amax))
 
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="examples/results/expert_weight_quant_h200.json")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--blocks", default="", help="also time these tiles, e.g. 32x256,128x64 (BLOCK_N x BLOCK_K)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_expert_weight_quant: needs a CUDA GPU", file=sys.stderr)
@@ -132,10 +133,14 @@ def main(argv=None) -> int:
         row["today_ms"] = round(today, 4)
         row["saved_ms"] = round(today - row["candidate_ms"], 4)
         row["candidate_GBps_at_6B_per_element"] = round(6 * w.numel() / row["candidate_ms"] / 1e6, 1)
+        row["candidate_ms_by_tile"] = {
+            tile: round(run(lambda bn=int(tile.split("x")[0]), bk=int(tile.split("x")[1]): both_layouts(w, bn, bk)), 4)
+            for tile in filter(None, args.blocks.split(","))}
         result["rows"].append(row)
         print(f"{model:<5} {name:<6} E={experts} N={n} K={k}: today {today:.3f} ms (fwd {row['compiled_fwd_layout_ms']:.3f}"
               f" + dgrad {row['compiled_dgrad_layout_ms']:.3f}), one graph {row['compiled_both_one_graph_ms']:.3f}, "
-              f"candidate {row['candidate_ms']:.3f} ms, exact {all(exact.values())} {exact}", flush=True)
+              f"candidate {row['candidate_ms']:.3f} ms {row['candidate_ms_by_tile']}, exact {all(exact.values())}",
+              flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
