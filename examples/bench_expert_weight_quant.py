@@ -36,7 +36,8 @@ import triton.language as tl
 # (model, weight, experts, N, K): w [E, N, K] as the model stores it; the GEMM sees w_t = w.transpose(-2, -1)
 WEIGHTS = [("16B", "w1|w3", 64, 1408, 2048), ("16B", "w2", 64, 2048, 1408),
            ("671B", "w1|w3", 64, 2048, 7168), ("671B", "w2", 64, 7168, 2048)]
-BLOCK_N, BLOCK_K = 64, 128
+# 128 x 64 was the fastest of six tiles on an H200 (examples/results/expert_weight_quant_h200.json)
+BLOCK_N, BLOCK_K = 128, 64
 
 
 @triton.jit
