@@ -28,7 +28,7 @@ from .profiling import StepProfiler
 from .provenance import provenance
 from .ranks import AllReduceGradsOptimizer, Ranks
 from .timing import COMPILE_S_METHOD, add_speedups, timing_stats
-from .train import train, with_loss
+from .train import optimizer_name, train, with_loss
 from .variants import Variant, default_variant_names, parse_custom_variant, resolve_variants, variant_names
 
 SCHEMA = "moepass.bench/1"
@@ -114,6 +114,7 @@ def _bench_result(result: dict, args, spec: ModelSpec, ranks: Ranks, entries: li
         config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
                 "warmup": args.warmup, "lr": args.lr, "seed": args.seed, "ep": args.ep, "data": args.data,
                 "device": str(ranks.device), "world_size": ranks.world, "profile": args.profile,
+                "optimizer": optimizer_name(ranks.device),
                 # the command above is one rank's; torchrun launched it when WORLD_SIZE > 1
                 "launcher": "torchrun" if ranks.world > 1 else None},
         baseline=baseline, compile_s_method=COMPILE_S_METHOD,

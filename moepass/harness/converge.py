@@ -22,7 +22,7 @@ from .model_spec import ModelSpec
 from .output import error_summary, say, write_outputs
 from .parity import compare, loss_gaps
 from .provenance import provenance
-from .train import train, with_loss
+from .train import optimizer_name, train, with_loss
 from .variants import BASELINE, Variant, resolve_variants
 
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
@@ -150,7 +150,7 @@ def cmd_converge(args) -> int:
     result.update(config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
                           "lr": args.lr, "lr_warmup": args.lr_warmup, "seed": args.seed,
                           "data": args.data or "stdlib", "device": str(device),
-                          "val_batches": args.val_batches},
+                          "optimizer": optimizer_name(device), "val_batches": args.val_batches},
                   baseline=BASELINE, variants=runs, **verdict)
     write_outputs(result, args.out, "converge", plot.loss_curves)
     return 0 if verdict["pass"] else 1

@@ -35,6 +35,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def optimizer_name(device: torch.device) -> str:
+    """What adamw() builds on `device`, for the bench and converge JSON (the step time depends on it)."""
+    return "AdamW (fused)" if device.type == "cuda" else "AdamW (torch's default implementation)"
+
+
 def adamw(params, lr: float, device: torch.device) -> torch.optim.AdamW:
     """The AdamW every variant trains with: fused on CUDA, torchtitan's default ("implementation": "fused").
 

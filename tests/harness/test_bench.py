@@ -52,6 +52,7 @@ def test_json_schema_and_provenance(bench_run):
     assert "bench" in result["command"] and "--variants" in result["command"]
     assert result["hardware"]["device"] == "cpu" and result["hardware"]["world_size"] == 1
     assert result["config"]["steps"] == STEPS and result["config"]["model"]["overrides"] == TINY
+    assert result["config"]["optimizer"] == "AdamW (torch's default implementation)"  # fused on CUDA only
     assert result["baseline"] == "inductor"
     assert [v["name"] for v in result["variants"]] == VARIANTS and result["complete"] is True
 

@@ -35,6 +35,7 @@ def test_json_schema(converge_run):
     assert set(result["variants"]) == {"inductor", "moepass", "inductor-rerun", "inductor-nudged"}
     assert result["baseline"] == "inductor" and result["window"] == WINDOW and result["tolerance"] == TOLERANCE
     assert result["config"]["data"] == "stdlib" and result["config"]["steps"] == STEPS
+    assert result["config"]["optimizer"].startswith("AdamW")
     for key in ("hardware", "versions", "commit", "command"):
         assert key in result
     assert result["variants"]["moepass"]["options"]["passes"] == ["deepep", "grouped_mm", "linear"]
