@@ -61,12 +61,15 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     from torch._inductor.compile_fx import compile_fx
 
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
-    patches = {**inductor_patches(config), "post_grad_custom_post_pass": CompiledGraphAudit(record.compiled),
+    once = config["fp8_rowwise.expert_weights_once"]
+    # the decomposition table is in no cache key: what it depends on goes into the audit pass's uuid, which is
+    audit = CompiledGraphAudit(record.compiled, variant="expert_weights_once" if once else "")
+    patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
                "joint_custom_pre_pass": SaveEPExchanges()}
     from .ops.fp8_rowwise_decomp import inductor_decompositions
 
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
-    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions())
+    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions(once))
     return collect.reporting_runs(compiled, record)
 
 

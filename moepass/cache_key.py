@@ -68,8 +68,9 @@ GEMMS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"
 class CompiledGraphAudit(CustomGraphPass):
     """Records the moepass ops (and plain GEMMs) of each compiled graph into `sink`."""
 
-    def __init__(self, sink: list | None = None):
+    def __init__(self, sink: list | None = None, variant: str = ""):
         self.sink = sink if sink is not None else []
+        self.variant = variant  # what else shapes the compiled code (the decomposition table's options)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         ops = Counter()
@@ -82,4 +83,4 @@ class CompiledGraphAudit(CustomGraphPass):
         self.sink.append({"kind": graph_kind(graph), "ops": dict(sorted(ops.items()))})
 
     def uuid(self) -> str:
-        return f"moepass-{source_hash()}"
+        return f"moepass-{source_hash()}" + (f"-{self.variant}" if self.variant else "")

@@ -217,3 +217,51 @@ def test_inductor_through_the_backend_runs_scaled_mm_bit_equal_to_emulated(scale
     assert audits["emulated"]["forward"].get("moepass.fp8_rowwise_linear") == 1
     for a, b in zip(results["scaled_mm"], results["emulated"]):
         assert torch.equal(a, b)
+
+
+# ---- fp8_rowwise.expert_weights_once: one quantization of each expert weight, shared by fwd and dgrad ----
+
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+def test_expert_weights_op_is_cols_and_rows_of_the_weight(layout):
+    _, w_t, _, _ = grouped_inputs([5, 9], 64, 48, seed=11)
+    if layout == "contiguous":
+        w_t = w_t.contiguous()
+    got = ops.fp8_rowwise_expert_weights(w_t)
+    for out, ref in zip(got, (*decomp.cols(w_t), *decomp.rows(w_t))):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert torch.equal(out.float(), ref.float())
+    assert got[0].transpose(-2, -1).is_contiguous() and got[2].is_contiguous()  # the layouts the GEMMs take
+    torch.library.opcheck(ops.fp8_rowwise_expert_weights.default, (w_t,))
+
+
+def test_expert_weights_once_quantizes_each_weight_once_in_the_forward(scaled_grouped_mm_on_cpu):
+    """Both decompositions call the op on the same weight; the partitioner's CSE keeps one call, in the forward,
+    and saves the dgrad half for the backward. Results equal the default table's bit for bit."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    x, w_t, offs, g = grouped_inputs([20, 0, 27], 64, 48, seed=12, trailing_tokens=3)
+    runs = {}
+    for once in (False, True):
+        counts = {}
+
+        def record(kind):
+            def compiler(gm, example_inputs):
+                counts[kind] = sum(n.target == ops.fp8_rowwise_expert_weights.default for n in gm.graph.nodes)
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
+                               decompositions=decomp.fp8_rowwise_decompositions(expert_weights_once=once),
+                               partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, w_t, offs: ops.fp8_rowwise_grouped_mm(x, w_t, offs, True, "scaled_mm"),
+                           backend=backend, fullgraph=True)
+        runs[once] = (forward_backward(fn, g, x, w_t, offs), counts)
+    assert runs[False][1] == {"fw": 0, "bw": 0}
+    assert runs[True][1] == {"fw": 1, "bw": 0}
+    assert_all_equal(runs[True][0][:3], runs[False][0][:3], "grouped fwd and grads")
+
+
+def test_expert_weights_once_is_part_of_the_compile_cache_key():
+    # the decomposition table is in no cache key: the option reaches Inductor's through the audit pass's uuid
+    assert CompiledGraphAudit(variant="expert_weights_once").uuid() != CompiledGraphAudit().uuid()

@@ -239,15 +239,17 @@ def test_compiled_model_with_bf16_expert_wgrad_trains_on_unaligned_token_groups(
 
 # ---- the decomposed ops under Inductor (what the moepass backend compiles) -----------------------------
 
-def _compiled_with_decompositions(fn, sink):
+def _compiled_with_decompositions(fn, sink, expert_weights_once=False):
     from torch._inductor.compile_fx import compile_fx
 
     from moepass.cache_key import CompiledGraphAudit
     from moepass.ops.fp8_rowwise_decomp import inductor_decompositions
 
+    audit = CompiledGraphAudit(sink, variant="expert_weights_once" if expert_weights_once else "")
+
     def backend(gm, example_inputs):
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": CompiledGraphAudit(sink)},
-                          decompositions=inductor_decompositions())
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": audit},
+                          decompositions=inductor_decompositions(expert_weights_once))
 
     torch._dynamo.reset()
     return torch.compile(fn, backend=backend, fullgraph=True)
@@ -302,3 +304,40 @@ def test_compiled_decomposed_grouped_matches_eager_and_clears_bars(case):
     graphs = {c["kind"]: c["ops"] for c in audit}
     assert graphs["forward"] == {"aten._scaled_grouped_mm": 1}, graphs
     assert graphs["backward"] == {"aten._scaled_grouped_mm": 1, "moepass.fp8_rowwise_grouped_mm_wgrad": 1}, graphs
+
+
+# ---- fp8_rowwise.expert_weights_once: the Triton kernels and the compiled grouped GEMM -----------------
+
+@needs_fp8
+@pytest.mark.parametrize("shape", [(4, 96, 64), (3, 200, 136), (64, 1408, 2048)])
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+def test_expert_weights_kernels_equal_the_reference_bit_for_bit(shape, layout):
+    from moepass.ops import fp8_rowwise_decomp as decomp
+
+    e, n, k = shape
+    w = (torch.randn(e, n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    w_t = w.transpose(-2, -1) if layout == "transposed" else w.transpose(-2, -1).contiguous()
+    got = ops.fp8_rowwise_expert_weights(w_t)
+    for name, out, ref in zip(("fwd q", "fwd scale", "dgrad q", "dgrad scale"), got,
+                              (*decomp.cols(w_t), *decomp.rows(w_t))):
+        assert out.shape == ref.shape and out.dtype == ref.dtype, name
+        if 1 not in out.shape:  # a size-1 dim's stride carries no layout
+            assert out.stride() == ref.stride(), name
+        assert torch.equal(out.float(), ref.float()), name
+
+
+@needs_sm90
+def test_compiled_grouped_with_expert_weights_once_equals_the_default():
+    sizes, k, n = GROUPED_SHAPES[-1]
+    x, w_t, offs, g = grouped_inputs(sizes, k, n, seed=1600, device="cuda", trailing_tokens=5)
+    runs = []
+    for once in (False, True):
+        audit = []
+        fn = _compiled_with_decompositions(lambda a, b, o: ops.fp8_rowwise_grouped_mm(a, b, o, True, "scaled_mm"),
+                                           audit, expert_weights_once=once)
+        runs.append((forward_backward(fn, g, x, w_t, offs), {c["kind"]: c["ops"] for c in audit}))
+    for name, a, b in zip(("out", "grad input", "grad weight"), runs[0][0], runs[1][0]):
+        assert torch.equal(a, b), name
+    assert runs[1][1]["forward"].get("moepass.fp8_rowwise_expert_weights") == 1, runs[1][1]
+    assert "moepass.fp8_rowwise_expert_weights" not in runs[1][1]["backward"], runs[1][1]
+

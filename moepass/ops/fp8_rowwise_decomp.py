@@ -81,18 +81,27 @@ def linear_wgrad(grad_out: Tensor, x: Tensor) -> Tensor:
     return scaled_mm(g_q.t(), g_scale.t(), x_q, x_scale, "wgrad")
 
 
-def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
-    """moepass::fp8_rowwise_grouped_mm: x per token, each expert's weight per output channel (along K)."""
+def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, weights_once: bool = False) -> Tensor:
+    """moepass::fp8_rowwise_grouped_mm: x per token, each expert's weight per output channel (along K).
+
+    weights_once: the weight through moepass::fp8_rowwise_expert_weights, which the dgrad calls too (one pass).
+    """
     x_q, x_scale = rows(x)  # [M, K], [M, 1]
-    w_q, w_scale = cols(w_t)  # [E, K, N] column-major, [E, 1, N]
+    if weights_once:
+        w_q, w_scale, _, _ = torch.ops.moepass.fp8_rowwise_expert_weights(w_t)
+    else:
+        w_q, w_scale = cols(w_t)  # [E, K, N] column-major, [E, 1, N]
     out = scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
     return zero_rows_after_last_group(out, offs)
 
 
-def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
+def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, weights_once: bool = False) -> Tensor:
     """moepass::fp8_rowwise_grouped_mm_dgrad: grad_out per token, each expert's weight per input channel (along N)."""
     g_q, g_scale = rows(grad_out)  # [M, N], [M, 1]
-    w_q, w_scale = rows(w_t)  # [E, K, N] row-major: its transpose is dgrad's column-major [E, N, K]
+    if weights_once:  # the same call as the forward's: CSE leaves one, in the forward, saving this half
+        _, _, w_q, w_scale = torch.ops.moepass.fp8_rowwise_expert_weights(w_t)
+    else:
+        w_q, w_scale = rows(w_t)  # [E, K, N] row-major: its transpose is dgrad's column-major [E, N, K]
     grad_x = scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
     return zero_rows_after_last_group(grad_x, offs)
 
@@ -118,36 +127,40 @@ def _decompose_linear_wgrad(grad_out, x, kernel):
     return linear_wgrad(grad_out, x)
 
 
-def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel):
+def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel, weights_once=False):
     if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
         return NotImplemented
-    return grouped_mm(x, w_t, offs)
+    return grouped_mm(x, w_t, offs, weights_once)
 
 
-def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel):
+def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel, weights_once=False):
     if kernel != "scaled_mm" or _maybe_empty(grad_out.shape[0]):
         return NotImplemented
-    return grouped_mm_dgrad(grad_out, w_t, offs)
+    return grouped_mm_dgrad(grad_out, w_t, offs, weights_once)
 
 
-def fp8_rowwise_decompositions() -> dict:
-    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
+def fp8_rowwise_decompositions(expert_weights_once: bool = False) -> dict:
+    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table.
+
+    expert_weights_once: the option fp8_rowwise.expert_weights_once (moepass/ops/fp8_rowwise_expert_weights.py).
+    """
     ops = torch.ops.moepass
+    once = {"weights_once": True} if expert_weights_once else {}
     return {
         ops.fp8_rowwise_linear.default: _decompose_linear,
         ops.fp8_rowwise_linear_dgrad.default: _decompose_linear_dgrad,
         ops.fp8_rowwise_linear_wgrad.default: _decompose_linear_wgrad,
-        ops.fp8_rowwise_grouped_mm.default: _decompose_grouped_mm,
-        ops.fp8_rowwise_grouped_mm_dgrad.default: _decompose_grouped_mm_dgrad,
+        ops.fp8_rowwise_grouped_mm.default: functools.partial(_decompose_grouped_mm, **once),
+        ops.fp8_rowwise_grouped_mm_dgrad.default: functools.partial(_decompose_grouped_mm_dgrad, **once),
     }
 
 
-def inductor_decompositions() -> dict:
+def inductor_decompositions(expert_weights_once: bool = False) -> dict:
     """Inductor's default table plus ours: what the moepass backend passes to compile_fx."""
     from torch._inductor.decomposition import select_decomp_table
 
     register_inductor_fallbacks()
-    return {**select_decomp_table(), **fp8_rowwise_decompositions()}
+    return {**select_decomp_table(), **fp8_rowwise_decompositions(expert_weights_once)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""The two Triton kernels of the FP8-rowwise grouped GEMM that torchao does not have.
+"""The Triton kernels of the FP8-rowwise grouped GEMM that torchao does not have.
 
 token_group_cols_padded: [M, D] -> e4m3 [D, P] with one scale per (token group, column), each group
   starting at a multiple of 16 and zero-padded to a multiple of 16 (at least 16). It is the wgrad's
@@ -8,6 +8,8 @@ token_group_cols_padded: [M, D] -> e4m3 [D, P] with one scale per (token group, 
   layout), meant to fix this one's load imbalance under skewed routing, ran 2.8x slower on an H200
   (examples/results/token_group_quant_h200_two_kernels_rejected.json).
 zero_rows_from_group_end_: torch._scaled_grouped_mm leaves output rows at or after offs[-1] unwritten.
+both_layouts: [E, R, C] -> e4m3 along C (row-major) and along R (written transposed, [E, C, R]) from two reads
+  of the input: the expert weights' forward and dgrad layouts at once (fp8_rowwise_expert_weights).
 Same numerics as fp8_rowwise_quant (power-of-two scales from the amax, e4m3 round-to-nearest-even).
 """
 
@@ -18,8 +20,10 @@ from torch import Tensor
 
 from .formats import E4M3, E4M3_MAX
 from .formats import FP8_ALIGN as ALIGN
-from .fp8_rowwise_quant import AMAX_EPS
+from .fp8_rowwise_quant import AMAX_EPS, scale_from_amax
 
+# both_layouts' tile: the fastest of six on an H200 (examples/results/expert_weight_quant_h200.json)
+BOTH_BLOCK_R, BOTH_BLOCK_C = 128, 64
 # 128 rows per step: 2-31% faster than 64 on an H200, most under skewed routing (a few large groups, each
 # walked by few programs); examples/results/token_group_quant_h200.json
 BLOCK_M, BLOCK_D = 128, 64
@@ -72,6 +76,39 @@ if triton is not None:
             tl.store(dst, q, mask=(rows < padded_size)[:, None] & col_ok[None, :])
 
     @triton.jit
+    def _amax_both_kernel(in_ptr, row_amax_ptr, col_amax_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program per (row block, expert) walks its rows' whole width: the row amax stays in registers, the
+        # column amax gathers over the row blocks through float atomics (amaxes are >= 0)
+        pid_r, e = tl.program_id(0), tl.program_id(1)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        base = in_ptr + e.to(tl.int64) * R * C
+        row_amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            x = tl.load(base + rows[:, None] * C + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
+                        other=0.0).to(tl.float32)
+            x = tl.abs(x)
+            row_amax = tl.maximum(row_amax, tl.max(x, axis=1))
+            tl.atomic_max(col_amax_ptr + e * C + cols, tl.max(x, axis=0), mask=cols < C)
+        tl.store(row_amax_ptr + e * R + rows, row_amax, mask=rows < R)
+
+    @triton.jit
+    def _quantize_both_kernel(in_ptr, row_scale_ptr, col_scale_ptr, q_rows_ptr, q_cols_ptr, R, C,
+                              FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid_r, pid_c, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows < R)[:, None] & (cols < C)[None, :]
+        offset = e.to(tl.int64) * R * C
+        x = tl.load(in_ptr + offset + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        row_scale = tl.load(row_scale_ptr + e * R + rows, mask=rows < R, other=1.0)
+        col_scale = tl.load(col_scale_ptr + e * C + cols, mask=cols < C, other=1.0)
+        q = tl.clamp(x * row_scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        tl.store(q_rows_ptr + offset + rows[:, None] * C + cols[None, :], q, mask=mask)
+        q = tl.clamp(x * col_scale[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        tl.store(q_cols_ptr + offset + cols[:, None] * R + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    @triton.jit
     def _zero_rows_kernel(out_ptr, stride_m, offs_ptr, E, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         end = tl.load(offs_ptr + E - 1)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,3 +151,23 @@ def zero_rows_from_group_end_(out: Tensor, offs: Tensor) -> Tensor:
         _zero_rows_kernel[(triton.cdiv(m, 64), triton.cdiv(n, 256))](
             out, out.stride(0), offs, offs.shape[0], m, n, BLOCK_M=64, BLOCK_N=256)
     return out
+
+
+def both_layouts(t: Tensor, block_r: int = BOTH_BLOCK_R, block_c: int = BOTH_BLOCK_C
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Contiguous [E, R, C] -> (q_rows [E, R, C], scale [E, R]) along C and (q_cols [E, C, R], scale [E, C]) along R.
+
+    The scales come from fp8_rowwise_quant.scale_from_amax between the two kernels, so they are the reference's
+    bit for bit and the kernel quantizes with exactly the scales it returns.
+    """
+    experts, r, c = t.shape
+    row_amax = torch.empty(experts, r, device=t.device, dtype=torch.float32)
+    col_amax = torch.zeros(experts, c, device=t.device, dtype=torch.float32)
+    _amax_both_kernel[(triton.cdiv(r, block_r), experts)](t, row_amax, col_amax, r, c, BLOCK_R=block_r,
+                                                          BLOCK_C=block_c)
+    row_scale, col_scale = scale_from_amax(row_amax), scale_from_amax(col_amax)
+    q_rows = torch.empty(experts, r, c, device=t.device, dtype=E4M3)
+    q_cols = torch.empty(experts, c, r, device=t.device, dtype=E4M3)
+    _quantize_both_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c), experts)](
+        t, row_scale, col_scale, q_rows, q_cols, r, c, FP8_MAX=E4M3_MAX, BLOCK_R=block_r, BLOCK_C=block_c)
+    return q_rows, row_scale, q_cols, col_scale
