@@ -116,7 +116,7 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", True, False)),
     Option("fp8_rowwise.expert_weights_once", False, "quantize each expert weight once per step into both FP8 "
            "layouts (one Triton pass; the dgrad's is saved for the backward, 1 byte per weight element). "
-           "Experimental: 1.5x faster than the two quantizations per kernel on an H200, not yet measured in a "
+           "Experimental: 1.3-1.8x faster than the two quantizations per weight on an H200, not yet measured in a "
            "training step", choices=(True, False)),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),

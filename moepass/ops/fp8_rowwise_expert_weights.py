@@ -6,7 +6,7 @@ option fp8_rowwise.expert_weights_once, both decompositions (fp8_rowwise_decomp)
 on the same w_t, each using its half; AOTAutograd's CSE merges the two calls of the joint graph into one in
 the forward, and the partitioner saves the dgrad half for the backward (1 byte per weight element).
 On CUDA two Triton kernels read w_t twice in all (fp8_rowwise_triton.both_layouts, bit for bit equal to the
-reference, 1.5x faster than the two compiled quantizations at 671B dims: examples/results/
+reference, 1.5-1.6x faster than the two compiled quantizations at 671B dims: examples/results/
 expert_weight_quant_h200.json); elsewhere, or for an w_t with neither layout contiguous, the reference.
 """
 
