@@ -145,13 +145,16 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False) -> dict:
     expert_weights_once: the option fp8_rowwise.expert_weights_once (moepass/ops/fp8_rowwise_expert_weights.py).
     """
     ops = torch.ops.moepass
-    once = {"weights_once": True} if expert_weights_once else {}
+    grouped, dgrad = _decompose_grouped_mm, _decompose_grouped_mm_dgrad
+    if expert_weights_once:
+        grouped = functools.wraps(grouped)(functools.partial(grouped, weights_once=True))
+        dgrad = functools.wraps(dgrad)(functools.partial(dgrad, weights_once=True))
     return {
         ops.fp8_rowwise_linear.default: _decompose_linear,
         ops.fp8_rowwise_linear_dgrad.default: _decompose_linear_dgrad,
         ops.fp8_rowwise_linear_wgrad.default: _decompose_linear_wgrad,
-        ops.fp8_rowwise_grouped_mm.default: functools.partial(_decompose_grouped_mm, **once),
-        ops.fp8_rowwise_grouped_mm_dgrad.default: functools.partial(_decompose_grouped_mm_dgrad, **once),
+        ops.fp8_rowwise_grouped_mm.default: grouped,
+        ops.fp8_rowwise_grouped_mm_dgrad.default: dgrad,
     }
 
 
