@@ -77,19 +77,9 @@ def test_grouped_reference_is_per_group_fp32(bench):
 
 
 def test_linear_row_on_cpu(bench, scaled_mm_on_cpu, monkeypatch):  # noqa: F811
-    def cpu_compiled(fn, autotune):
-        return torch.compile(fn, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                                                      decompositions=decomp.fp8_rowwise_decompositions()),
-                             dynamic=False, fullgraph=True)
-
-    def cpu_time_ms(fn, warmup, iters):
-        began = time.perf_counter()
-        fn()
-        return (time.perf_counter() - began) * 1e3
-
     monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "compiled", cpu_compiled)
-    monkeypatch.setattr(bench, "time_ms", cpu_time_ms)
+    monkeypatch.setattr(bench, "compiled", _cpu_compiled)
+    monkeypatch.setattr(bench, "time_ms", _cpu_time_ms)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     args = bench.parse_args(["--iters", "1", "--warmup", "0", "--train-step"])
     row = bench.bench_linear(40, 64, 48, args, extras=True)  # 40 tokens: padded to 48 inside
@@ -142,13 +132,13 @@ def test_expert_mlp_bf16_is_the_routed_swiglu(bench):
         torch.testing.assert_close(out[rows].float(), h @ w2[e].bfloat16().float().t(), rtol=0.05, atol=0.3)
 
 
-def _cpu_compiled(fn, autotune):
+def _cpu_compiled(fn, autotune):  # aot_eager with moepass's decompositions: the compiled path, on CPU
     return torch.compile(fn, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
                                                   decompositions=decomp.fp8_rowwise_decompositions()),
                          dynamic=False, fullgraph=True)
 
 
-def _cpu_time_ms(fn, warmup, iters):
+def _cpu_time_ms(fn, warmup, iters):  # one call, wall clock: the rows' arithmetic, not a speed
     began = time.perf_counter()
     fn()
     return (time.perf_counter() - began) * 1e3
