@@ -614,12 +614,21 @@ def scaled_mm_on_cpu(monkeypatch):
 
 def _scaled_grouped_mm_standin(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
                                use_fast_accum=False):
-    """CPU torch._scaled_grouped_mm for the 2d-3d form: the CUDA kernel's layout rules, then exact dequantization."""
-    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.dim() == 2 and b.dim() == 3
-    assert a.stride(1) == 1 and b.stride(1) == 1, (a.stride(), b.stride())  # row-major A, column-major B
-    assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+    """CPU torch._scaled_grouped_mm (2d-3d and 2d-2d forms): the CUDA kernel's layout rules, then exact
+    dequantization."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.dim() == 2 and b.dim() in (2, 3)
+    assert a.stride(1) == 1 and b.stride(-2) == 1, (a.stride(), b.stride())  # row-major A, column-major B
     assert scale_a.is_contiguous() and scale_b.is_contiguous() and offs.dtype == torch.int32
     assert out_dtype == BF16 and use_fast_accum and bias is None
+    if b.dim() == 2:  # wgrad: a [N, P], b [P, K], groups along P; scales per (group, row of a / column of b)
+        experts, n, k = offs.shape[0], a.shape[0], b.shape[1]
+        assert scale_a.shape == (experts * n,) and scale_b.shape == (experts * k,)
+        assert all(int(end) % 16 == 0 for end in offs)  # 16-aligned groups
+        group = torch.searchsorted(offs, torch.arange(a.shape[1]), right=True).clamp(max=experts - 1)
+        a_deq = a.float() * scale_a.view(experts, n)[group].t()
+        b_deq = b.float() * scale_b.view(experts, k)[group]
+        return torch._grouped_mm(a_deq.to(BF16), b_deq.to(BF16), offs=offs)
+    assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
     out = torch._grouped_mm((a.float() * scale_a[:, None]).to(BF16), (b.float() * scale_b[:, None, :]).to(BF16),
                             offs=offs)
     out[int(offs[-1]):] = float("nan")  # the CUDA kernel leaves these rows unwritten

@@ -17,6 +17,7 @@ import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.cache_key import CompiledGraphAudit
 from moepass.ops import fp8_rowwise_decomp as decomp
+from moepass.ops import fp8_rowwise_quant as quant
 from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs
 from helpers import fp8_rowwise_op_grouped as op_grouped
 from helpers import fp8_rowwise_op_linear as op_linear
@@ -31,9 +32,9 @@ FP8_OPS = {getattr(ops, name).default for name in (
 
 # ---- the table ----------------------------------------------------------------------------------
 
-def test_table_covers_five_ops_and_leaves_the_grouped_wgrad_opaque():
+def test_table_covers_the_six_ops():
     table = decomp.fp8_rowwise_decompositions()
-    assert set(table) == FP8_OPS - {ops.fp8_rowwise_grouped_mm_wgrad.default}
+    assert set(table) == FP8_OPS
     merged = decomp.inductor_decompositions()
     assert set(table) <= set(merged) and torch.ops.aten.addmm.default in merged  # Inductor's own table kept
 
@@ -46,7 +47,8 @@ def test_emulated_kernel_is_not_decomposed():
              ops.fp8_rowwise_linear_dgrad.default: (g, w, "emulated"),
              ops.fp8_rowwise_linear_wgrad.default: (g, x, "emulated"),
              ops.fp8_rowwise_grouped_mm.default: (xg, w_t, offs, False, "emulated"),
-             ops.fp8_rowwise_grouped_mm_dgrad.default: (gg, w_t, offs, "emulated")}
+             ops.fp8_rowwise_grouped_mm_dgrad.default: (gg, w_t, offs, "emulated"),
+             ops.fp8_rowwise_grouped_mm_wgrad.default: (gg, xg, offs, "emulated")}
     for op, args in calls.items():
         assert table[op](*args) is NotImplemented, op
 
@@ -104,6 +106,61 @@ def test_grouped_scaled_mm_equals_emulated_bit_for_bit(scaled_grouped_mm_on_cpu,
     out, grad_x, _ = op_grouped(x, w_t, offs, g, kernel="emulated")
     assert torch.equal(decomp.grouped_mm(x, w_t, offs), out)  # rows past offs[-1]: zero, not the stand-in's NaN
     assert torch.equal(decomp.grouped_mm_dgrad(g, w_t, offs), grad_x)
+
+
+@pytest.mark.parametrize("sizes, trailing", [([10, 0, 50, 40], 7), ([100, 33, 0, 0, 17], 3), ([0, 0, 5], 0)])
+def test_token_group_cols_op_writes_the_padded_wgrad_layout(sizes, trailing):
+    """The op's CPU body (the layout the CUDA kernel writes, tests/test_fp8_rowwise_gpu.py) against the reference."""
+    x, _, offs, _ = grouped_inputs(sizes, 96, 16, seed=len(sizes), trailing_tokens=trailing)
+    q_t, scale, padded_ends = ops.fp8_rowwise_token_group_cols(x, offs)
+    ref_q, ref_scale = quant.token_group_cols(x, offs)
+    padded = [max(-(-s // 16) * 16, 16) for s in sizes]
+    assert padded_ends.tolist() == torch.tensor(padded).cumsum(0).tolist() and torch.equal(scale, ref_scale)
+    begin = padded_begin = 0
+    for size, padded_size in zip(sizes, padded):
+        block = q_t[:, padded_begin:padded_begin + padded_size].view(torch.uint8)
+        assert torch.equal(block[:, :size], ref_q[begin:begin + size].t().view(torch.uint8))
+        assert not block[:, size:].any()  # zero padding: adds nothing to the wgrad
+        begin, padded_begin = begin + size, padded_begin + padded_size
+    torch.library.opcheck(ops.fp8_rowwise_token_group_cols.default, (x, offs))
+
+
+def test_grouped_wgrad_decomposition_is_the_op(scaled_grouped_mm_on_cpu):
+    x, _, offs, g = grouped_inputs([20, 0, 27, 9], 64, 48, seed=21, trailing_tokens=3)
+    got = decomp.grouped_mm_wgrad(g, x, offs)
+    assert got.shape == (4, 64, 48) and got.stride() == (64 * 48, 1, 64)  # column-major, like w_t
+    assert torch.equal(got, ops.fp8_rowwise_grouped_mm_wgrad(g, x, offs, "scaled_mm"))
+    emulated = ops.fp8_rowwise_grouped_mm_wgrad(g, x, offs, "emulated")
+    assert (got.float() - emulated.float()).abs().max() <= 2e-2 * emulated.float().abs().max()  # bf16 sums
+
+
+def test_w1_and_w3_wgrads_share_one_quantization_of_x(scaled_grouped_mm_on_cpu):
+    """An MoE's w1 and w3 read the same tokens: their FP8 wgrads' two quantizations of x are CSE'd into one."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    x, w1_t, offs, _ = grouped_inputs([20, 0, 27], 64, 48, seed=22, trailing_tokens=3)
+    _, w3_t, _, g = grouped_inputs([20, 0, 27], 64, 48, seed=23, trailing_tokens=3)
+
+    def mlp(x, w1_t, w3_t, offs, kernel="scaled_mm"):  # SiLU(x @ w1) * (x @ w3), as torchtitan's GroupedExperts
+        up = ops.fp8_rowwise_grouped_mm(x, w1_t, offs, False, kernel)
+        return torch.nn.functional.silu(up) * ops.fp8_rowwise_grouped_mm(x, w3_t, offs, False, kernel)
+
+    counts = {}
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            counts[kind] = sum(n.target == ops.fp8_rowwise_token_group_cols.default for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
+                           decompositions=decomp.fp8_rowwise_decompositions(),
+                           partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
+    torch._dynamo.reset()
+    got = forward_backward(torch.compile(mlp, backend=backend, fullgraph=True), g, x, w1_t, w3_t, offs)
+    assert counts == {"fw": 0, "bw": 3}  # grad_up, grad_gate and x: not 4
+    emulated = forward_backward(lambda *a: mlp(*a, kernel="emulated"), g, x, w1_t, w3_t, offs)
+    assert_all_equal(got[:4], emulated[:4], "w1/w3 fwd and grads")
 
 
 # ---- AOTAutograd applies the table: forward op and the backward ops its autograd calls --------------

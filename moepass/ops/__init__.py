@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (each registers its ops)
     fp8_rowwise_expert_weights,
     fp8_rowwise_grouped_mm,
     fp8_rowwise_linear,
+    fp8_rowwise_token_groups,
     grouped_wgrad_bf16,
     mxfp8_grouped_mm,
     mxfp8_linear,

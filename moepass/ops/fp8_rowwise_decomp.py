@@ -10,7 +10,8 @@ functions eagerly for "scaled_mm".
 
 Column-major operands are quantized as `t.t()` along its last dim into a row-major buffer, then viewed
 back with `.t()`: Inductor writes the transposed layout from the quantization kernel itself.
-The grouped wgrad is not decomposed: its Triton kernel writes the padded token-group layout directly.
+The grouped wgrad decomposes into two moepass::fp8_rowwise_token_group_cols (a Triton kernel writing the
+padded token-group layout) and the GEMM: the quantization of x that w1's and w3's wgrads share is CSE'd.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def pad_tokens(t: Tensor) -> Tensor:
     return t if statically_known_true(missing == 0) else F.pad(t, (0, 0, 0, missing))
 
 
-# ---- the five GEMMs, kernel "scaled_mm" ----------------------------------------------------------
+# ---- the six GEMMs, kernel "scaled_mm" ----------------------------------------------------------
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """moepass::fp8_rowwise_linear: x per token and W per output channel, both along K."""
@@ -106,6 +107,14 @@ def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, weights_once: 
     return zero_rows_after_last_group(grad_x, offs)
 
 
+def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    """moepass::fp8_rowwise_grouped_mm_wgrad: grad_w_t[g] = x[g].T @ grad_out[g], both scaled along the group's tokens."""
+    g_q_t, g_scale, padded_ends = torch.ops.moepass.fp8_rowwise_token_group_cols(grad_out, offs)  # [N, P]
+    x_q_t, x_scale, _ = torch.ops.moepass.fp8_rowwise_token_group_cols(x, offs)  # [K, P]
+    grad_w = scaled_grouped_mm(g_q_t, g_scale.reshape(-1), x_q_t.t(), x_scale.reshape(-1), padded_ends)
+    return grad_w.transpose(-2, -1)  # [E, N, K] -> [E, K, N], column-major like w_t
+
+
 # ---- decompositions: only kernel "scaled_mm"; "emulated" stays the op it is -------------------------
 
 def _maybe_empty(m) -> bool:
@@ -139,6 +148,12 @@ def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel, weights_once=False)
     return grouped_mm_dgrad(grad_out, w_t, offs, weights_once)
 
 
+def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
+    if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
+        return NotImplemented
+    return grouped_mm_wgrad(grad_out, x, offs)
+
+
 def fp8_rowwise_decompositions(expert_weights_once: bool = False) -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table.
 
@@ -155,6 +170,7 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False) -> dict:
         ops.fp8_rowwise_linear_wgrad.default: _decompose_linear_wgrad,
         ops.fp8_rowwise_grouped_mm.default: grouped,
         ops.fp8_rowwise_grouped_mm_dgrad.default: dgrad,
+        ops.fp8_rowwise_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
     }
 
 

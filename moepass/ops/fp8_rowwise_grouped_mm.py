@@ -4,7 +4,7 @@ Forward: x per row, each expert's weight per output channel (along K); dgrad: gr
 expert's weight per input channel (along N); wgrad: grad_out and x per (token group, column). GEMMs:
 torch._scaled_grouped_mm on sm_90 (kernel "scaled_mm"), or exact dequantization and torch._grouped_mm
 in BF16 (kernel "emulated", the same numerics). Token groups need no alignment: the 2d-3d GEMMs take any
-group sizes, and the wgrad's operands are quantized straight into 16-aligned groups (fp8_rowwise_triton).
+group sizes, and the wgrad's operands are quantized straight into 16-aligned groups (fp8_rowwise_token_groups).
 Rows at or after offs[-1] belong to no group: their outputs and input gradients are zero.
 """
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import fp8_rowwise_quant as quant
+from .fp8_rowwise_decomp import grouped_mm_wgrad
 from .fp8_rowwise_recipe import FP8_ROWWISE
 from .grouped_mm import define_grouped_mm_ops
 from .grouped_wgrad_bf16 import as_transposed_layout
@@ -64,13 +65,8 @@ def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
         x_q, x_scale = quant.token_group_cols(x, offs)  # [M, K], [E, K]
         g = quant.dequantize_token_groups(g_q, g_scale, offs)
         grad_w = torch._grouped_mm(g.t(), quant.dequantize_token_groups(x_q, x_scale, offs), offs=offs)
-    else:
-        from .fp8_rowwise_triton import token_group_cols_padded
-
-        g_q_t, g_scale, padded_ends = token_group_cols_padded(grad_out, offs)  # [N, P] row-major
-        x_q_t, x_scale, _ = token_group_cols_padded(x, offs)  # [K, P] row-major
-        grad_w = scaled_grouped_mm(g_q_t, g_scale.reshape(-1), x_q_t.t(), x_scale.reshape(-1), padded_ends)
-    return grad_w.transpose(-2, -1)  # [E, N, K] -> [E, K, N], column-major like w_t
+        return grad_w.transpose(-2, -1)  # [E, N, K] -> [E, K, N], column-major like w_t
+    return grouped_mm_wgrad(grad_out, x, offs)
 
 
 define_grouped_mm_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad))
