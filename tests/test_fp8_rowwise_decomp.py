@@ -158,7 +158,7 @@ def test_w1_and_w3_wgrads_share_one_quantization_of_x(scaled_grouped_mm_on_cpu):
                            partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
     torch._dynamo.reset()
     got = forward_backward(torch.compile(mlp, backend=backend, fullgraph=True), g, x, w1_t, w3_t, offs)
-    assert counts == {"fw": 0, "bw": 3}  # grad_up, grad_gate and x: not 4
+    assert counts["fw"] + counts["bw"] == 3  # grad_up, grad_gate and x: not 4 (x's may move to the forward)
     emulated = forward_backward(lambda *a: mlp(*a, kernel="emulated"), g, x, w1_t, w3_t, offs)
     assert_all_equal(got[:4], emulated[:4], "w1/w3 fwd and grads")
 

@@ -302,9 +302,13 @@ def test_compiled_decomposed_grouped_matches_eager_and_clears_bars(case):
     assert_sqnr(grouped_reference(x[:inside], w_t, offs, g[:inside]), (got[0][:inside], got[1][:inside], got[2]),
                 SQNR_BARS, f"compiled grouped {sizes} K={k} N={n}")
     graphs = {c["kind"]: c["ops"] for c in audit}
-    assert graphs["forward"] == {"aten._scaled_grouped_mm": 1}, graphs
-    # the wgrad decomposed: its two operands' token-group quantizations and the 2d-2d GEMM
-    assert graphs["backward"] == {"aten._scaled_grouped_mm": 2, "moepass.fp8_rowwise_token_group_cols": 2}, graphs
+    # the wgrad decomposed: its two operands' token-group quantizations and the 2d-2d GEMM. The partitioner may
+    # quantize x in the forward and save it in FP8 (half of x's bytes) instead of x: count the graphs together.
+    counted = ("aten._scaled_grouped_mm", "moepass.fp8_rowwise_token_group_cols",
+               "moepass.fp8_rowwise_grouped_mm_wgrad")
+    in_both = {op: graphs["forward"].get(op, 0) + graphs["backward"].get(op, 0) for op in counted}
+    assert in_both == dict(zip(counted, (3, 2, 0))), graphs
+    assert graphs["backward"]["aten._scaled_grouped_mm"] == 2, graphs
 
 
 # ---- fp8_rowwise.expert_weights_once: the Triton kernels and the compiled grouped GEMM -----------------

@@ -108,7 +108,7 @@ def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, weights_once: 
 
 
 def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
-    """moepass::fp8_rowwise_grouped_mm_wgrad: grad_w_t[g] = x[g].T @ grad_out[g], both scaled along the group's tokens."""
+    """moepass::fp8_rowwise_grouped_mm_wgrad: grad_w_t[g] = x[g].T @ grad_out[g], scaled along the group's tokens."""
     g_q_t, g_scale, padded_ends = torch.ops.moepass.fp8_rowwise_token_group_cols(grad_out, offs)  # [N, P]
     x_q_t, x_scale, _ = torch.ops.moepass.fp8_rowwise_token_group_cols(x, offs)  # [K, P]
     grad_w = scaled_grouped_mm(g_q_t, g_scale.reshape(-1), x_q_t.t(), x_scale.reshape(-1), padded_ends)
