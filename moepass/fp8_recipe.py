@@ -58,7 +58,9 @@ THRESHOLDS_SOURCE = (f"measured on H200: moepass/{fp8_auto_table.SHIPPED.name} (
 # fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds. A grouped wgrad in FP8
 # needs both operands quantized per (token group, column), a pass of their own over the routed tokens
 # (fp8_rowwise_triton) that cost more than the FP8 GEMM saved in the 16B step: 2 x 1.4 ms of quantization
-# per wgrad under the skewed routing of early training, against ~0.8 ms saved by its FP8 GEMM.
+# per wgrad under the skewed routing of early training, against ~0.8 ms saved by its FP8 GEMM. At 671B dims,
+# with w1's and w3's wgrads sharing one quantization of x, FP8 came out even (479.7 vs 480.7 ms a step, 1.9 GB
+# less peak memory: examples/results/bench_671B_l3_wgrad_once_h200/): not a win worth new numerics by default.
 WGRAD_BF16_AUTO = {"linear": False, "grouped": True}
 
 
