@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from . import collect
-from .cache_key import CompiledGraphAudit
+from .cache_key import CompiledGraphAudit, decomposition_variant
 from .ep_recompute import SaveEPExchanges
 from .options import Config
 from .pipeline import run_pipeline
@@ -60,16 +60,17 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
         return collect.reporting_runs(gm.forward, record)
     from torch._inductor.compile_fx import compile_fx
 
+    # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid
+    audit = CompiledGraphAudit(record.compiled, variant=decomposition_variant(config))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
-    once = config["fp8_rowwise.expert_weights_once"]
-    # the decomposition table is in no cache key: what it depends on goes into the audit pass's uuid, which is
-    audit = CompiledGraphAudit(record.compiled, variant="expert_weights_once" if once else "")
     patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
                "joint_custom_pre_pass": SaveEPExchanges()}
     from .ops.fp8_rowwise_decomp import inductor_decompositions
 
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
-    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=inductor_decompositions(once))
+    decompositions = inductor_decompositions(config["fp8_rowwise.expert_weights_once"],
+                                             config["fp8_rowwise.linear_both_layouts"])
+    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
     return collect.reporting_runs(compiled, record)
 
 

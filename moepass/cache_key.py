@@ -65,6 +65,18 @@ def graph_kind(graph: torch.fx.Graph) -> str:
 GEMMS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm")
 
 
+# options that shape the compiled code through the decomposition table alone, which no cache key covers
+DECOMPOSITION_OPTIONS = ("fp8_rowwise.expert_weights_once", "fp8_rowwise.linear_both_layouts")
+
+
+def decomposition_variant(config) -> str:
+    """The DECOMPOSITION_OPTIONS set away from their defaults, for CompiledGraphAudit's uuid."""
+    from .options import OPTIONS
+
+    defaults = {o.key: o.default for o in OPTIONS}
+    return "+".join(f"{key}={config[key]}" for key in DECOMPOSITION_OPTIONS if config[key] != defaults[key])
+
+
 class CompiledGraphAudit(CustomGraphPass):
     """Records the moepass ops (and plain GEMMs) of each compiled graph into `sink`."""
 

@@ -120,6 +120,14 @@ OPTIONS: tuple[Option, ...] = (
            "layouts (one Triton pass; the dgrad's is saved for the backward: 1 byte per expert weight element, "
            "unsharded under FSDP2). 671B dims on an H200: step 1.3% faster, +4.2 GB peak memory "
            "(examples/results/bench_671B_l3_wgrad_once_h200/)", choices=(True, False)),
+    # Off until measured: it trades Inductor's fusion of each quantization into the operand's producer for two
+    # reads by moepass's kernels of the materialized operand, which pays where the column (token-axis) reduction
+    # Inductor generates is slow (examples/results/ has the A/B).
+    Option("fp8_rowwise.linear_both_layouts", "none", "quantize a linear's gradient (grads) and input (inputs) "
+           "once into both FP8 layouts its two GEMMs read (per token and per channel; two reads by moepass's Triton "
+           "kernels, the input's per-channel half saved for the wgrad in FP8) instead of twice, each fused into "
+           "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true)",
+           choices=("none", "grads", "grads_and_inputs")),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),
     Option("mxfp8.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 (dgrad and forward stay MXFP8)",
@@ -207,6 +215,10 @@ class Config:
         values["passes"] = tuple(dict.fromkeys(canonical_pass(p) for p in values["passes"]))
         values["inductor.mode"] = _effective_mode(values["inductor.mode"], mode)
         _check_inductor_patches(values["inductor.options"])
+        if values["fp8_rowwise.linear_both_layouts"] != "none" and values["fp8_rowwise.wgrad_bf16"] is True:
+            raise OptionsError("moepass: option 'fp8_rowwise.linear_both_layouts'="
+                               f"{values['fp8_rowwise.linear_both_layouts']!r} quantizes for the FP8 wgrad, which "
+                               "'fp8_rowwise.wgrad_bf16'=True turns off; set one of them back to its default")
         if values["report_dir"] is not None:
             _check_report_dir(values["report_dir"])
         return cls(values)

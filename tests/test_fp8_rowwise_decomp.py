@@ -322,3 +322,87 @@ def test_expert_weights_once_quantizes_each_weight_once_in_the_forward(scaled_gr
 def test_expert_weights_once_is_part_of_the_compile_cache_key():
     # the decomposition table is in no cache key: the option reaches Inductor's through the audit pass's uuid
     assert CompiledGraphAudit(variant="expert_weights_once").uuid() != CompiledGraphAudit().uuid()
+
+
+# ---- fp8_rowwise.linear_both_layouts: a linear's gradient (and input) quantized once for both its GEMMs ----
+
+def test_rows_and_cols_op_is_rows_and_cols_of_the_operand():
+    t = torch.randn(40, 48).to(BF16)
+    got = ops.fp8_rowwise_rows_and_cols(t)
+    for out, ref in zip(got, (*decomp.rows(t), *decomp.cols(t))):
+        assert out.shape == ref.shape and out.dtype == ref.dtype and out.stride() == ref.stride()
+        assert torch.equal(out.float(), ref.float())
+    torch.library.opcheck(ops.fp8_rowwise_rows_and_cols.default, (t,))
+
+
+def _two_linears(x, w1, w2, kernel="scaled_mm"):  # the gradient between them feeds w1's dgrad and wgrad
+    h = ops.fp8_rowwise_linear(x, w1, None, False, kernel)
+    return ops.fp8_rowwise_linear(torch.relu(h), w2, None, False, kernel)
+
+
+@pytest.mark.parametrize("both, where", [("none", {"fw": 0, "bw": 0}), ("grads", {"fw": 0, "bw": 2}),
+                                         ("grads_and_inputs", {"fw": 2, "bw": 2})])
+def test_linear_both_layouts_quantizes_each_operand_once(scaled_mm_on_cpu, both, where):
+    """dgrad and wgrad call the op on the same grad_out, forward and wgrad on the same x: CSE keeps one call per
+    operand (x's in the forward, its column half saved), and the results are the default table's bit for bit."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    x, w1, _ = linear_inputs((2, 24, 64), 96, seed=31)
+    _, w2, g = linear_inputs((2, 24, 96), 48, seed=32)
+    counts = {}
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            counts[kind] = sum(n.target == ops.fp8_rowwise_rows_and_cols.default for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
+                           decompositions=decomp.fp8_rowwise_decompositions(linear_both_layouts=both),
+                           partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
+    torch._dynamo.reset()
+    got = forward_backward(torch.compile(_two_linears, backend=backend, fullgraph=True), g, x, w1, w2)
+    assert counts == where  # grads: both linears' grad_out; inputs: x and relu(h)
+    assert_all_equal(got, forward_backward(lambda *a: _two_linears(*a, kernel="emulated"), g, x, w1, w2),
+                     f"two linears, {both}")
+
+
+def test_linear_both_layouts_leaves_inputs_alone_under_a_bf16_wgrad(scaled_mm_on_cpu):
+    x, w, _ = linear_inputs((32, 64), 48, seed=33)
+    table = decomp.fp8_rowwise_decompositions(linear_both_layouts="grads_and_inputs")
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda x, w: table[ops.fp8_rowwise_linear.default](x, w, None, True, "scaled_mm"))(x, w)
+    assert not any(n.target == ops.fp8_rowwise_rows_and_cols.default for n in graph.graph.nodes)
+
+
+def test_linear_both_layouts_keeps_plain_rows_where_tokens_may_be_zero():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    called = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            called.add(func)
+            return func(*args, **(kwargs or {}))
+
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        g = torch.empty(shape_env.create_unbacked_symint(), 48, dtype=BF16)  # e.g. rows an EP dispatch received
+        with Record():
+            q, scale = decomp.rows_of(g, True)  # no column amax over what may be no rows
+    assert ops.fp8_rowwise_rows_and_cols.default not in called and torch.ops.aten.amax.default in called
+    assert q.dtype == torch.float8_e4m3fn and scale.shape[1] == 1
+
+
+def test_linear_both_layouts_option_reaches_the_compile_cache_key_and_needs_the_fp8_wgrad():
+    from moepass.cache_key import decomposition_variant
+    from moepass.options import Config
+
+    assert decomposition_variant(Config.from_options({})) == ""
+    variant = decomposition_variant(Config.from_options({"fp8_rowwise.linear_both_layouts": "grads"}))
+    assert variant == "fp8_rowwise.linear_both_layouts=grads"
+    assert CompiledGraphAudit(variant=variant).uuid() != CompiledGraphAudit().uuid()
+    with pytest.raises(ValueError, match="fp8_rowwise.wgrad_bf16"):
+        Config.from_options({"fp8_rowwise.linear_both_layouts": "grads", "fp8_rowwise.wgrad_bf16": True})

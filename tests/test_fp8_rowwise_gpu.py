@@ -239,17 +239,17 @@ def test_compiled_model_with_bf16_expert_wgrad_trains_on_unaligned_token_groups(
 
 # ---- the decomposed ops under Inductor (what the moepass backend compiles) -----------------------------
 
-def _compiled_with_decompositions(fn, sink, expert_weights_once=False):
+def _compiled_with_decompositions(fn, sink, expert_weights_once=False, linear_both_layouts="none"):
     from torch._inductor.compile_fx import compile_fx
 
     from moepass.cache_key import CompiledGraphAudit
     from moepass.ops.fp8_rowwise_decomp import inductor_decompositions
 
-    audit = CompiledGraphAudit(sink, variant="expert_weights_once" if expert_weights_once else "")
+    audit = CompiledGraphAudit(sink, variant=f"{expert_weights_once}-{linear_both_layouts}")
 
     def backend(gm, example_inputs):
         return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": audit},
-                          decompositions=inductor_decompositions(expert_weights_once))
+                          decompositions=inductor_decompositions(expert_weights_once, linear_both_layouts))
 
     torch._dynamo.reset()
     return torch.compile(fn, backend=backend, fullgraph=True)
@@ -346,3 +346,45 @@ def test_compiled_grouped_with_expert_weights_once_equals_the_default():
     assert runs[1][1]["forward"].get("moepass.fp8_rowwise_expert_weights") == 1, runs[1][1]
     assert "moepass.fp8_rowwise_expert_weights" not in runs[1][1]["backward"], runs[1][1]
 
+
+
+# ---- fp8_rowwise.linear_both_layouts: a linear operand's rows and columns from one op -----------------
+
+@needs_fp8
+@pytest.mark.parametrize("shape", [(64, 48), (1000, 256), (4096, 2048), (16384, 1536), (32784, 65600)])
+def test_rows_and_cols_kernels_equal_the_reference_bit_for_bit(shape):
+    """The last shape has more than 2^31 elements: the kernels index in 64 bits."""
+    from moepass.ops import fp8_rowwise_decomp as decomp
+
+    t = _wide_range(shape, seed=shape[0] + 7)
+    got = ops.fp8_rowwise_rows_and_cols(t)
+    for name, out, ref in zip(("rows q", "rows scale", "cols q", "cols scale"), got, (*decomp.rows(t), *decomp.cols(t))):
+        assert out.shape == ref.shape and out.dtype == ref.dtype, name
+        if 1 not in out.shape:
+            assert out.stride() == ref.stride(), name
+        assert torch.equal(out.view(torch.uint8) if out.dtype != torch.float32 else out,
+                           ref.view(torch.uint8) if ref.dtype != torch.float32 else ref), name
+        del out, ref
+
+
+@needs_fp8
+@pytest.mark.parametrize("both", ["grads", "grads_and_inputs"])
+def test_compiled_linears_with_both_layouts_equal_the_default(both):
+    x, w1, _ = linear_inputs((2, 1000, 1024), 512, seed=1700, device="cuda")
+    _, w2, g = linear_inputs((2, 1000, 512), 768, seed=1701, device="cuda")
+
+    def two_linears(x, w1, w2):
+        h = ops.fp8_rowwise_linear(x, w1, None, False, "scaled_mm")
+        return ops.fp8_rowwise_linear(torch.relu(h), w2, None, False, "scaled_mm")
+
+    runs = {}
+    for option in ("none", both):
+        audit = []
+        fn = _compiled_with_decompositions(two_linears, audit, linear_both_layouts=option)
+        runs[option] = (forward_backward(fn, g, x, w1, w2), {c["kind"]: c["ops"] for c in audit})
+    for name, a, b in zip(("out", "grad x", "grad w1", "grad w2"), runs["none"][0], runs[both][0]):
+        assert torch.equal(a, b), name
+    graphs = runs[both][1]
+    assert graphs["backward"].get("moepass.fp8_rowwise_rows_and_cols") == 2, graphs  # each linear's grad_out
+    assert graphs["forward"].get("moepass.fp8_rowwise_rows_and_cols", 0) == (2 if both == "grads_and_inputs" else 0)
+    assert graphs["backward"]["aten._scaled_mm"] == 4 and graphs["forward"]["aten._scaled_mm"] == 2, graphs

@@ -10,7 +10,7 @@ dispatch/combine (ep_*). torchao is imported lazily inside the MXFP8 op bodies, 
 from . import (  # noqa: F401  (each registers its ops)
     ep_dispatch_combine,
     ep_permute,
-    fp8_rowwise_expert_weights,
+    fp8_rowwise_both_layouts,
     fp8_rowwise_grouped_mm,
     fp8_rowwise_linear,
     fp8_rowwise_token_groups,

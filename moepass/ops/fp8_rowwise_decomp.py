@@ -44,6 +44,19 @@ def cols(t: Tensor) -> tuple[Tensor, Tensor]:
     return q_t.transpose(-2, -1), scale.transpose(-2, -1)
 
 
+def rows_of(t: Tensor, both_layouts: bool) -> tuple[Tensor, Tensor]:
+    """rows(t), or the row half of moepass::fp8_rowwise_rows_and_cols(t), which the GEMM reading t's columns
+    calls too (CSE leaves one call: fp8_rowwise_both_layouts). t must have tokens for its columns' amax."""
+    if both_layouts and not _maybe_empty(t.shape[0]):
+        return tuple(torch.ops.moepass.fp8_rowwise_rows_and_cols(t)[:2])
+    return rows(t)
+
+
+def cols_of(t: Tensor, both_layouts: bool) -> tuple[Tensor, Tensor]:
+    """cols(t), or the column half of moepass::fp8_rowwise_rows_and_cols(t) (see rows_of)."""
+    return tuple(torch.ops.moepass.fp8_rowwise_rows_and_cols(t)[2:]) if both_layouts else cols(t)
+
+
 def pad_tokens(t: Tensor) -> Tensor:
     """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs its reduction dim % 16 == 0."""
     missing = -t.shape[0] % FP8_ALIGN
@@ -52,11 +65,14 @@ def pad_tokens(t: Tensor) -> Tensor:
 
 # ---- the six GEMMs, kernel "scaled_mm" ----------------------------------------------------------
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """moepass::fp8_rowwise_linear: x per token and W per output channel, both along K."""
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], inputs_both: bool = False) -> Tensor:
+    """moepass::fp8_rowwise_linear: x per token and W per output channel, both along K.
+
+    inputs_both: x through moepass::fp8_rowwise_rows_and_cols, whose column half the wgrad takes (saved in FP8).
+    """
     x2 = x.reshape(-1, x.shape[-1])
     tokens = x2.shape[0]
-    x_q, x_scale = rows(pad_tokens(x2))
+    x_q, x_scale = rows_of(pad_tokens(x2), inputs_both)
     w_q, w_scale = rows(weight)  # [N, K] row-major: its .t() is the column-major right operand
     y = scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), "fwd")[:tokens]
     if bias is not None:
@@ -64,21 +80,24 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear_dgrad(grad_out: Tensor, weight: Tensor) -> Tensor:
-    """moepass::fp8_rowwise_linear_dgrad: grad_out per token and W per input channel, both along N."""
+def linear_dgrad(grad_out: Tensor, weight: Tensor, grads_both: bool = False) -> Tensor:
+    """moepass::fp8_rowwise_linear_dgrad: grad_out per token and W per input channel, both along N.
+
+    grads_both: grad_out through moepass::fp8_rowwise_rows_and_cols, whose column half the wgrad takes.
+    """
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     tokens = g2.shape[0]
-    g_q, g_scale = rows(pad_tokens(g2))
+    g_q, g_scale = rows_of(pad_tokens(g2), grads_both)
     w_q, w_scale = cols(weight)  # [N, K] column-major, [1, K]
     grad_x = scaled_mm(g_q, g_scale, w_q, w_scale, "dgrad")[:tokens]
     return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
-def linear_wgrad(grad_out: Tensor, x: Tensor) -> Tensor:
+def linear_wgrad(grad_out: Tensor, x: Tensor, grads_both: bool = False, inputs_both: bool = False) -> Tensor:
     """moepass::fp8_rowwise_linear_wgrad: grad_out.T @ x, both scaled along tokens (zero rows pad tokens to 16)."""
     g2, x2 = pad_tokens(grad_out.reshape(-1, grad_out.shape[-1])), pad_tokens(x.reshape(-1, x.shape[-1]))
-    g_q, g_scale = cols(g2)  # [M, N] column-major: .t() is row-major [N, M], scale [N, 1]
-    x_q, x_scale = cols(x2)  # [M, K] column-major, [1, K]
+    g_q, g_scale = cols_of(g2, grads_both)  # [M, N] column-major: .t() is row-major [N, M], scale [N, 1]
+    x_q, x_scale = cols_of(x2, inputs_both)  # [M, K] column-major, [1, K]
     return scaled_mm(g_q.t(), g_scale.t(), x_q, x_scale, "wgrad")
 
 
@@ -122,18 +141,20 @@ def _maybe_empty(m) -> bool:
     return not statically_known_true(m > 0)
 
 
-def _decompose_linear(x, weight, bias, wgrad_bf16, kernel):
-    return linear(x, weight, bias) if kernel == "scaled_mm" else NotImplemented
+def _decompose_linear(x, weight, bias, wgrad_bf16, kernel, both=()):
+    if kernel != "scaled_mm":
+        return NotImplemented
+    return linear(x, weight, bias, inputs_both="inputs" in both and not wgrad_bf16)
 
 
-def _decompose_linear_dgrad(grad_out, weight, kernel):
-    return linear_dgrad(grad_out, weight) if kernel == "scaled_mm" else NotImplemented
+def _decompose_linear_dgrad(grad_out, weight, kernel, both=()):
+    return linear_dgrad(grad_out, weight, "grads" in both) if kernel == "scaled_mm" else NotImplemented
 
 
-def _decompose_linear_wgrad(grad_out, x, kernel):
+def _decompose_linear_wgrad(grad_out, x, kernel, both=()):
     if kernel != "scaled_mm" or _maybe_empty(math.prod(grad_out.shape[:-1])):  # amax over no tokens fails
         return NotImplemented
-    return linear_wgrad(grad_out, x)
+    return linear_wgrad(grad_out, x, "grads" in both, "inputs" in both)
 
 
 def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel, weights_once=False):
@@ -154,32 +175,38 @@ def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
     return grouped_mm_wgrad(grad_out, x, offs)
 
 
-def fp8_rowwise_decompositions(expert_weights_once: bool = False) -> dict:
+# fp8_rowwise.linear_both_layouts -> the linear operands quantized into both layouts by one op
+LINEAR_BOTH_LAYOUTS = {"none": (), "grads": ("grads",), "grads_and_inputs": ("grads", "inputs")}
+
+
+def _with(fn, **kwargs):
+    return functools.wraps(fn)(functools.partial(fn, **kwargs)) if any(kwargs.values()) else fn
+
+
+def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_layouts: str = "none") -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table.
 
-    expert_weights_once: the option fp8_rowwise.expert_weights_once (moepass/ops/fp8_rowwise_expert_weights.py).
+    expert_weights_once, linear_both_layouts: the options fp8_rowwise.* of those names
+    (moepass/ops/fp8_rowwise_both_layouts.py).
     """
     ops = torch.ops.moepass
-    grouped, dgrad = _decompose_grouped_mm, _decompose_grouped_mm_dgrad
-    if expert_weights_once:
-        grouped = functools.wraps(grouped)(functools.partial(grouped, weights_once=True))
-        dgrad = functools.wraps(dgrad)(functools.partial(dgrad, weights_once=True))
+    both = LINEAR_BOTH_LAYOUTS[linear_both_layouts]
     return {
-        ops.fp8_rowwise_linear.default: _decompose_linear,
-        ops.fp8_rowwise_linear_dgrad.default: _decompose_linear_dgrad,
-        ops.fp8_rowwise_linear_wgrad.default: _decompose_linear_wgrad,
-        ops.fp8_rowwise_grouped_mm.default: grouped,
-        ops.fp8_rowwise_grouped_mm_dgrad.default: dgrad,
+        ops.fp8_rowwise_linear.default: _with(_decompose_linear, both=both),
+        ops.fp8_rowwise_linear_dgrad.default: _with(_decompose_linear_dgrad, both=both),
+        ops.fp8_rowwise_linear_wgrad.default: _with(_decompose_linear_wgrad, both=both),
+        ops.fp8_rowwise_grouped_mm.default: _with(_decompose_grouped_mm, weights_once=expert_weights_once),
+        ops.fp8_rowwise_grouped_mm_dgrad.default: _with(_decompose_grouped_mm_dgrad, weights_once=expert_weights_once),
         ops.fp8_rowwise_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
     }
 
 
-def inductor_decompositions(expert_weights_once: bool = False) -> dict:
+def inductor_decompositions(expert_weights_once: bool = False, linear_both_layouts: str = "none") -> dict:
     """Inductor's default table plus ours: what the moepass backend passes to compile_fx."""
     from torch._inductor.decomposition import select_decomp_table
 
     register_inductor_fallbacks()
-    return {**select_decomp_table(), **fp8_rowwise_decompositions(expert_weights_once)}
+    return {**select_decomp_table(), **fp8_rowwise_decompositions(expert_weights_once, linear_both_layouts)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,8 @@ token_group_cols_padded: [M, D] -> e4m3 [D, P] with one scale per (token group, 
   (examples/results/token_group_quant_h200_two_kernels_rejected.json).
 zero_rows_from_group_end_: torch._scaled_grouped_mm leaves output rows at or after offs[-1] unwritten.
 both_layouts: [E, R, C] -> e4m3 along C (row-major) and along R (written transposed, [E, C, R]) from two reads
-  of the input: the expert weights' forward and dgrad layouts at once (fp8_rowwise_expert_weights).
+  of the input: the expert weights' forward and dgrad layouts at once, or (E = 1) a linear's gradient per token
+  and per channel (fp8_rowwise_both_layouts).
 Same numerics as fp8_rowwise_quant (power-of-two scales from the amax, e4m3 round-to-nearest-even).
 """
 
@@ -24,6 +25,7 @@ from .fp8_rowwise_quant import AMAX_EPS, scale_from_amax
 
 # both_layouts' tile: the fastest of six on an H200 (examples/results/expert_weight_quant_h200.json)
 BOTH_BLOCK_R, BOTH_BLOCK_C = 128, 64
+AMAX_MIN_PROGRAMS, AMAX_THIN_BLOCK_R = 512, 32  # below 512 row blocks (a linear's [M, C] operand): 32-row ones
 # 128 rows per step: 2-31% faster than 64 on an H200, most under skewed routing (a few large groups, each
 # walked by few programs); examples/results/token_group_quant_h200.json
 BLOCK_M, BLOCK_D = 128, 64
@@ -82,10 +84,11 @@ if triton is not None:
         pid_r, e = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         base = in_ptr + e.to(tl.int64) * R * C
+        row_offsets = rows[:, None].to(tl.int64) * C  # 64-bit: a 2-D operand can pass 2^31 elements
         row_amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
-            x = tl.load(base + rows[:, None] * C + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
+            x = tl.load(base + row_offsets + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
                         other=0.0).to(tl.float32)
             x = tl.abs(x)
             row_amax = tl.maximum(row_amax, tl.max(x, axis=1))
@@ -100,13 +103,15 @@ if triton is not None:
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (rows < R)[:, None] & (cols < C)[None, :]
         offset = e.to(tl.int64) * R * C
-        x = tl.load(in_ptr + offset + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        at_rows = offset + rows[:, None].to(tl.int64) * C + cols[None, :]
+        x = tl.load(in_ptr + at_rows, mask=mask, other=0.0).to(tl.float32)
         row_scale = tl.load(row_scale_ptr + e * R + rows, mask=rows < R, other=1.0)
         col_scale = tl.load(col_scale_ptr + e * C + cols, mask=cols < C, other=1.0)
         q = tl.clamp(x * row_scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-        tl.store(q_rows_ptr + offset + rows[:, None] * C + cols[None, :], q, mask=mask)
+        tl.store(q_rows_ptr + at_rows, q, mask=mask)
         q = tl.clamp(x * col_scale[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-        tl.store(q_cols_ptr + offset + cols[:, None] * R + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(q_cols_ptr + offset + cols[:, None].to(tl.int64) * R + rows[None, :], tl.trans(q),
+                 mask=tl.trans(mask))
 
     @triton.jit
     def _zero_rows_kernel(out_ptr, stride_m, offs_ptr, E, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -163,8 +168,11 @@ def both_layouts(t: Tensor, block_r: int = BOTH_BLOCK_R, block_c: int = BOTH_BLO
     experts, r, c = t.shape
     row_amax = torch.empty(experts, r, device=t.device, dtype=torch.float32)
     col_amax = torch.zeros(experts, c, device=t.device, dtype=torch.float32)
-    _amax_both_kernel[(triton.cdiv(r, block_r), experts)](t, row_amax, col_amax, r, c, BLOCK_R=block_r,
-                                                          BLOCK_C=block_c)
+    # the amax kernel walks whole rows, one program per row block: a 2-D operand (one "expert") has few row
+    # blocks, so thinner ones keep the GPU busy
+    amax_block_r = block_r if triton.cdiv(r, block_r) * experts >= AMAX_MIN_PROGRAMS else AMAX_THIN_BLOCK_R
+    _amax_both_kernel[(triton.cdiv(r, amax_block_r), experts)](t, row_amax, col_amax, r, c, BLOCK_R=amax_block_r,
+                                                               BLOCK_C=block_c)
     row_scale, col_scale = scale_from_amax(row_amax), scale_from_amax(col_amax)
     q_rows = torch.empty(experts, r, c, device=t.device, dtype=E4M3)
     q_cols = torch.empty(experts, c, r, device=t.device, dtype=E4M3)
