@@ -120,13 +120,14 @@ OPTIONS: tuple[Option, ...] = (
            "layouts (one Triton pass; the dgrad's is saved for the backward: 1 byte per expert weight element, "
            "unsharded under FSDP2). 671B dims on an H200: step 1.3% faster, +4.2 GB peak memory "
            "(examples/results/bench_671B_l3_wgrad_once_h200/)", choices=(True, False)),
-    # Off until measured: it trades Inductor's fusion of each quantization into the operand's producer for two
-    # reads by moepass's kernels of the materialized operand, which pays where the column (token-axis) reduction
-    # Inductor generates is slow (examples/results/ has the A/B).
+    # Off: it trades Inductor's fusion of each quantization into the operand's producer for two reads of the
+    # materialized operand by moepass's kernels; on an H200 that was faster at 16B shapes, slower at 671B ones,
+    # and the 16B step moved within its noise (examples/results/README.md, fourth pass).
     Option("fp8_rowwise.linear_both_layouts", "none", "quantize a linear's gradient (grads) and input (inputs) "
            "once into both FP8 layouts its two GEMMs read (per token and per channel; two reads by moepass's Triton "
            "kernels, the input's per-channel half saved for the wgrad in FP8) instead of twice, each fused into "
-           "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true)",
+           "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true). 16B on an H200: step 1.03x vs "
+           "all's 1.02x, within noise (examples/results/bench_16B_l4_both_layouts_h200/)",
            choices=("none", "grads", "grads_and_inputs")),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),
