@@ -30,6 +30,21 @@ FP8_OPS = {getattr(ops, name).default for name in (
     "fp8_rowwise_grouped_mm", "fp8_rowwise_grouped_mm_dgrad", "fp8_rowwise_grouped_mm_wgrad")}
 
 
+def _counting_backend(op, counts: dict, **table_options):
+    """aot_autograd with moepass's table, partitioned as Inductor partitions; counts `op` per graph ("fw", "bw")."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            counts[kind] = sum(n.target == op for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
+                        decompositions=decomp.fp8_rowwise_decompositions(**table_options),
+                        partition_fn=min_cut_rematerialization_partition)
+
+
 # ---- the table ----------------------------------------------------------------------------------
 
 def test_table_covers_the_six_ops():
@@ -136,8 +151,6 @@ def test_grouped_wgrad_decomposition_is_the_op(scaled_grouped_mm_on_cpu):
 
 def test_w1_and_w3_wgrads_share_one_quantization_of_x(scaled_grouped_mm_on_cpu):
     """An MoE's w1 and w3 read the same tokens: their FP8 wgrads' two quantizations of x are CSE'd into one."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     x, w1_t, offs, _ = grouped_inputs([20, 0, 27], 64, 48, seed=22, trailing_tokens=3)
     _, w3_t, _, g = grouped_inputs([20, 0, 27], 64, 48, seed=23, trailing_tokens=3)
 
@@ -146,16 +159,7 @@ def test_w1_and_w3_wgrads_share_one_quantization_of_x(scaled_grouped_mm_on_cpu):
         return torch.nn.functional.silu(up) * ops.fp8_rowwise_grouped_mm(x, w3_t, offs, False, kernel)
 
     counts = {}
-
-    def record(kind):
-        def compiler(gm, example_inputs):
-            counts[kind] = sum(n.target == ops.fp8_rowwise_token_group_cols.default for n in gm.graph.nodes)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
-                           decompositions=decomp.fp8_rowwise_decompositions(),
-                           partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
+    backend = _counting_backend(ops.fp8_rowwise_token_group_cols.default, counts)
     torch._dynamo.reset()
     got = forward_backward(torch.compile(mlp, backend=backend, fullgraph=True), g, x, w1_t, w3_t, offs)
     assert counts["fw"] + counts["bw"] == 3  # grad_up, grad_gate and x: not 4 (x's may move to the forward)
@@ -294,22 +298,11 @@ def test_expert_weights_op_is_cols_and_rows_of_the_weight(layout):
 def test_expert_weights_once_quantizes_each_weight_once_in_the_forward(scaled_grouped_mm_on_cpu):
     """Both decompositions call the op on the same weight; the partitioner's CSE keeps one call, in the forward,
     and saves the dgrad half for the backward. Results equal the default table's bit for bit."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     x, w_t, offs, g = grouped_inputs([20, 0, 27], 64, 48, seed=12, trailing_tokens=3)
     runs = {}
     for once in (False, True):
         counts = {}
-
-        def record(kind):
-            def compiler(gm, example_inputs):
-                counts[kind] = sum(n.target == ops.fp8_rowwise_expert_weights.default for n in gm.graph.nodes)
-                return make_boxed_func(gm.forward)
-            return compiler
-
-        backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
-                               decompositions=decomp.fp8_rowwise_decompositions(expert_weights_once=once),
-                               partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
+        backend = _counting_backend(ops.fp8_rowwise_expert_weights.default, counts, expert_weights_once=once)
         torch._dynamo.reset()
         fn = torch.compile(lambda x, w_t, offs: ops.fp8_rowwise_grouped_mm(x, w_t, offs, True, "scaled_mm"),
                            backend=backend, fullgraph=True)
@@ -345,21 +338,10 @@ def _two_linears(x, w1, w2, kernel="scaled_mm"):  # the gradient between them fe
 def test_linear_both_layouts_quantizes_each_operand_once(scaled_mm_on_cpu, both, where):
     """dgrad and wgrad call the op on the same grad_out, forward and wgrad on the same x: CSE keeps one call per
     operand (x's in the forward, its column half saved), and the results are the default table's bit for bit."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     x, w1, _ = linear_inputs((2, 24, 64), 96, seed=31)
     _, w2, g = linear_inputs((2, 24, 96), 48, seed=32)
     counts = {}
-
-    def record(kind):
-        def compiler(gm, example_inputs):
-            counts[kind] = sum(n.target == ops.fp8_rowwise_rows_and_cols.default for n in gm.graph.nodes)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    backend = aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
-                           decompositions=decomp.fp8_rowwise_decompositions(linear_both_layouts=both),
-                           partition_fn=min_cut_rematerialization_partition)  # as Inductor partitions
+    backend = _counting_backend(ops.fp8_rowwise_rows_and_cols.default, counts, linear_both_layouts=both)
     torch._dynamo.reset()
     got = forward_backward(torch.compile(_two_linears, backend=backend, fullgraph=True), g, x, w1, w2)
     assert counts == where  # grads: both linears' grad_out; inputs: x and relu(h)
