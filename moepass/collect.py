@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+from torch._dynamo.utils import counters
+
 from .report import Report
 
 _stack: list[Report] = []
@@ -53,14 +55,26 @@ def reporting_runs(compiled_fn, record):
     return run
 
 
+def dynamo_counts() -> tuple[int, int]:
+    """(graph breaks Dynamo split a frame at, frames it gave up on and ran in eager) so far in this process.
+    A graph break it cannot split at (inside an activation-checkpointed layer, in a loop) skips the frame: its
+    GEMMs never reach moepass and stay BF16, and `counters["graph_break"]` does not count it."""
+    frames = counters["frames"]
+    return sum(counters["graph_break"].values()), frames["total"] - frames["ok"]
+
+
 @contextlib.contextmanager
 def collecting(report: Report | None = None):
-    """Gather the records of every graph compiled by moepass inside the block."""
+    """Gather the records of every graph compiled by moepass inside the block, and Dynamo's graph breaks."""
     report = report if report is not None else Report()
     _stack.append(report)
+    breaks, eager = dynamo_counts()
     global _last
     try:
         yield report
     finally:
         _stack.pop()
+        breaks_now, eager_now = dynamo_counts()
+        report.graph_breaks += breaks_now - breaks
+        report.frames_eager += eager_now - eager
         _last = report

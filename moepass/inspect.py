@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch._dynamo.utils import counters
 
 from .collect import collecting
 from .options import Config
 from .report import Report
-
-
-def graph_break_count() -> int:
-    return sum(counters["graph_break"].values())
 
 
 def inspect(model, *example_args, options: dict | None = None, **example_kwargs) -> Report:
@@ -21,8 +16,6 @@ def inspect(model, *example_args, options: dict | None = None, **example_kwargs)
     """
     config = Config.from_options(options)  # fail fast, before any tracing
     compiled = torch.compile(model, backend="moepass", options=dict(options or {}))
-    breaks_before = graph_break_count()
-    with collecting(Report(config.to_dict())) as report:
+    with collecting(Report(config.to_dict())) as report:  # counts the graph breaks and frames run eagerly
         compiled(*example_args, **example_kwargs)
-    report.graph_breaks = graph_break_count() - breaks_before
     return report

@@ -13,7 +13,7 @@ import time
 
 from torch import fx
 
-from . import module_paths
+from . import module_paths, sac_policy
 from .analysis.scopes import graph_scopes
 from .graph import op_histogram
 from .options import PIPELINE, Config, canonical_pass
@@ -60,4 +60,5 @@ def _run_passes(gm: fx.GraphModule, example_inputs, config: Config) -> GraphReco
         code_after[name] = graph_code(gm)
         log.info("moepass pass %s: replaced %d, skipped %d (%.1f ms)",
                  name, len(record.rewrites), len(record.skipped), record.ms)
+    sac_policy.show_policies_replaced_gemms(gm)  # a selective-AC policy written for BF16 asks about aten.mm
     return GraphRecord(0, code_before, code_after, ops_before, op_histogram(gm), records)

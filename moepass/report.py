@@ -81,6 +81,7 @@ class Report:
         self.config = config or {}
         self.graphs: list[GraphRecord] = []
         self.graph_breaks = 0
+        self.frames_eager = 0  # frames Dynamo gave up on: run in eager, never rewritten (collect.dynamo_counts)
         self._sources: set[int] = set()  # ids of the backend's records already held
 
     def add_graph(self, record: GraphRecord, replayed: bool = False) -> None:
@@ -135,6 +136,7 @@ class Report:
             "graphs": len(self.graphs),
             "replayed_graphs": self.replayed,
             "graph_breaks": self.graph_breaks,
+            "frames_run_eagerly": self.frames_eager,
             "ops_before": dict(sorted(self.ops_before().items())),
             "ops_after": dict(sorted(self.ops_after().items())),
             "compiled_graphs": self.compiled,
@@ -147,6 +149,10 @@ class Report:
                     "graph breaks were counted then)") if self.replayed else ""
         lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){replayed}",
                  f"{'pass':<18} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation"]
+        if self.frames_eager:
+            lines.insert(1, f"warning: {self.frames_eager} frame(s) fell back to eager (graph breaks Dynamo could not "
+                            "split at: inside an activation-checkpointed layer, in a loop); the GEMMs they run "
+                            "themselves never reach moepass and stay BF16 (TORCH_LOGS=graph_breaks says where)")
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"
             lines.append(f"{p.name:<18} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")

@@ -95,3 +95,50 @@ def test_last_report_gathers_every_graph_of_one_compiled_model():
     assert report.to_dict()["graphs"] == 2 and _linear_pass(report)["replaced"] == 1
     (skip,) = _linear_pass(report)["skipped"]
     assert skip["module"] == "up" and "graph break" in skip["reason"]
+
+
+def test_collecting_counts_graph_breaks():
+    class Broken(TwoLinears):
+        def forward(self, x):
+            h = torch.relu(self.up(x))
+            torch._dynamo.graph_break()
+            return x + self.down(h)
+
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        torch.compile(Broken(), backend="moepass", options=OPTIONS)(X)
+    assert report.graph_breaks == 1 and report.frames_eager == 0
+    assert "1 graph break(s)" in report.summary() and "fell back to eager" not in report.summary()
+
+
+def test_a_checkpointed_layer_dynamo_cannot_trace_is_reported():
+    """A graph break inside a checkpointed body cannot be split at: no graph, the layer runs eagerly in BF16."""
+    class CheckpointedBroken(TwoLinears):
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+
+        def _body(self, x):
+            h = torch.relu(self.up(x))
+            print("side effect", end="\r")  # Dynamo cannot trace print inside the checkpoint's body
+            return x + self.down(h)
+
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        torch.compile(CheckpointedBroken(), backend="moepass", options=OPTIONS)(X)
+    assert (report.to_dict()["graphs"], report.graph_breaks) == (0, 1)
+    assert report.summary().startswith("moepass: 0 graph(s), 1 graph break(s)")
+
+
+def test_a_frame_dynamo_gives_up_on_is_reported_as_run_eagerly():
+    """An unsupported context manager (activation offloading) skips the whole frame: its GEMMs never reach moepass."""
+    class Offloaded(TwoLinears):
+        def forward(self, x):
+            with torch.autograd.graph.save_on_cpu(pin_memory=False):
+                return self.down(torch.relu(self.up(x)))
+
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        torch.compile(Offloaded(), backend="moepass", options=OPTIONS)(X)
+    d = report.to_dict()
+    assert (d["graphs"], d["graph_breaks"], d["frames_run_eagerly"]) == (0, 1, 1)
+    assert "warning: 1 frame(s) fell back to eager" in report.summary()

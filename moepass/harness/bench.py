@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ..collect import collecting
-from ..inspect import graph_break_count
 from . import plot
 from .corpus import Batches, load_corpus
 from .flags import add_model_arguments, model_spec
@@ -74,12 +73,11 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
                 say(f"  {variant.name:<18} step {r.step + 1:>4}/{total}  loss {r.loss:8.4f}  "
                     f"{r.seconds * 1e3:10.1f} ms  ({phase})", ranks.rank)
 
-        breaks = graph_break_count()
         # the loss is compiled with the model (one graph, as a training stack compiles it), in every variant
         with collecting() as report, torch._dynamo.config.patch(capture_scalar_outputs=ep > 1):
             results = train(model, variant.compile(with_loss(model)), batches, total, ranks.device, lr=lr,
                             on_step=on_step, optimizer=optimizer, loss_included=True)
-        entry["graph_breaks"] = graph_break_count() - breaks
+        entry["graph_breaks"], entry["frames_run_eagerly"] = report.graph_breaks, report.frames_eager
         if variant.backend == "moepass":
             entry["graphs"] = len(report.graphs)
             entry["passes"] = {p.name: len(p.rewrites) for p in report.pass_totals()}
