@@ -18,6 +18,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from moepass.analysis.scopes import Scope, dataflow, graph_scopes
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
@@ -90,7 +91,8 @@ def _selects_experts(n: fx.Node) -> bool:
 def _is_residual_add(n: fx.Node, numel: int) -> bool:
     is_add = (n.op == "call_function" and n.target in _ADD) or (n.op == "call_method" and n.target in ("add", "add_"))
     v = example_value(n)
-    return is_add and isinstance(v, torch.Tensor) and v.numel() >= numel
+    # numel may be unbacked (a linear on a torch.split chunk of .tolist() sizes): never guard on it
+    return is_add and isinstance(v, torch.Tensor) and guard_or_false(v.numel() >= numel)
 
 
 def _role(g, node: fx.Node, top: fx.Graph) -> str | None:

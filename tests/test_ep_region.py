@@ -241,7 +241,9 @@ def test_region_next_to_an_unrelated_all_to_all():
     *region_a2as, extra = _all_to_alls(gm)
     assert [r.token_a2a.node for r in regions] == [region_a2as[1]]
     assert [(s.node, s.reason) for s in skips] == [
-        (extra, "all-to-all is not part of a dispatch/combine pair (no later all-to-all with swapped splits)")]
+        (extra, "all-to-all is not part of a dispatch/combine pair (its split sizes are fixed at trace time, not "
+                "routed counts: no token exchange of an MoE, or a capacity-padded one, which sends padding where "
+                "DeepEP sends only the routed (token, expert) slots)")]
 
 
 def test_graph_without_all_to_all_has_no_regions_and_no_skips():

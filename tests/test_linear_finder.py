@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import moepass
 from moepass.passes.linear import find_linears
 
 
@@ -84,3 +85,23 @@ def test_max_used_for_values_only_does_not_make_a_router(dynamo_graphs):
 
     roles, _ = _roles(dynamo_graphs(MaxNorm().bfloat16(), torch.randn(2, 16, 64, dtype=torch.bfloat16)))
     assert roles == {"proj": None}
+
+
+def test_an_add_of_data_dependent_size_after_a_linear_is_classified_without_a_guard():
+    """Megatron's SequentialMLP runs its experts on torch.split(rows, counts.tolist()) chunks: an add of such a
+    chunk has an unbacked size. Whether it is a linear's residual add must not guard on it (that failed the
+    user's whole compile with GuardOnDataDependentSymNode); unknown means no."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from moepass.passes.linear import _is_residual_add
+
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        chunk = torch.empty(shape_env.create_unbacked_symint(), 64)
+    graph = torch.fx.Graph()
+    add = graph.call_function(operator.add, (graph.placeholder("a"), graph.placeholder("b")))
+    add.meta["example_value"] = chunk
+    assert _is_residual_add(add, 16 * 64) is False

@@ -161,13 +161,17 @@ def _check_send_side(gm, region: EPRegion) -> list[torch.Tensor]:
     device, num_tokens, top_k = _device(region), region.num_tokens, region.top_k
     x = x_sample(num_tokens, region.hidden, device)
     split_nodes = [s for s in tok.input_splits if isinstance(s, fx.Node)]
+    # splits may be read off one host copy of [sent sums; received sums] (transformers 5): any received counts
+    # will do there, and random ones make a real dependence on them fail the split check below
+    other_side = {counts.result: received_counts(region.group_size, region.num_local_experts)[0]}
     weights_applied, slots = None, []
     for i, ids in enumerate(routings(num_tokens, top_k, region.num_experts, device)):
         w = weights_sample(num_tokens, top_k, i, device)
         leaves = _leaves(region, {region.topk_ids: ids, region.topk_weights: w, region.x: x})
         try:
             (sent_counts,) = _evaluate(region, gm, [counts.input], leaves, observe_at=counts.node)
-            sent, *splits = _evaluate(region, gm, [tok.input, *split_nodes], leaves, observe_at=tok.node)
+            sent, *splits = _evaluate(region, gm, [tok.input, *split_nodes], {**leaves, **_leaves(region, other_side)},
+                                      observe_at=tok.node)
         except NotEvaluable as e:
             raise Mismatch(tok.node, f"rows or counts sent are not computed from x, expert ids and weights alone: {e}",
                            stage=SEND)
@@ -231,7 +235,7 @@ def _check_receive_side(gm, region: EPRegion) -> None:
     for received in received_counts(region.group_size, local):
         num_rows = int(received.sum())
         rows = x_sample(num_rows, width, device)  # row j carries j in its digits (width >= 9: check_region)
-        leaves = _leaves(region, {counts.result: received, tok.result: rows})
+        leaves = _leaves(region, {counts.result: received, tok.result: rows, counts.input: _sent_counts_sample(region)})
         try:
             grouped, *splits = _evaluate(region, gm, [region.expert_input, *out_split_nodes], leaves,
                                          forbidden={counts.node})
@@ -317,9 +321,15 @@ def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node:
                              "(padded, or not only derived from the received counts)", stage=RECEIVE)
 
 
+def _sent_counts_sample(region: EPRegion) -> torch.Tensor:
+    """Random sent counts, for receive-side slices that pass through a host copy of both sides' sums."""
+    return received_counts(region.group_size, region.num_local_experts, seed=1)[0]
+
+
 def _counts_per_local_expert(gm, region: EPRegion, node: fx.Node, received: torch.Tensor) -> bool:
     counts = region.counts_a2a
-    (value,) = _evaluate(region, gm, [node], _leaves(region, {counts.result: received}))
+    (value,) = _evaluate(region, gm, [node], _leaves(region, {counts.result: received,
+                                                              counts.input: _sent_counts_sample(region)}))
     return torch.equal(_host(value).long(), received.view(region.group_size, -1).sum(0))
 
 

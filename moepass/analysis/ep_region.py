@@ -112,7 +112,9 @@ def find_ep_regions(gm: fx.GraphModule) -> tuple[list[EPRegion], list[RegionSkip
         used.update({id(tok), id(comb)} | ({id(counts)} if counts else set()))
         try:
             if counts is None:
-                raise Mismatch(tok.node, "no counts all-to-all found upstream of the token all-to-all's split sizes")
+                earlier = any(order[c.node] < order[tok.node] for c in a2as if c is not tok)
+                raise Mismatch(tok.node, "no counts all-to-all found upstream of the token all-to-all's split sizes"
+                               + ("" if earlier else f" ({_split_over_graphs('the counts exchange', 'before')})"))
             regions.append(_match_region(gm, counts, tok, comb, boundary, check_region))
         except Mismatch as m:
             skips.append(RegionSkip(m.node, module_path(tok.node), m.reason))
@@ -122,8 +124,27 @@ def find_ep_regions(gm: fx.GraphModule) -> tuple[list[EPRegion], list[RegionSkip
     for a in a2as:
         if id(a) not in used:
             skips.append(RegionSkip(a.node, module_path(a.node), "all-to-all is not part of a dispatch/combine pair "
-                                                                 "(no later all-to-all with swapped splits)"))
+                                    + _unpaired_why(a, a2as, order)))
     return regions, skips
+
+
+def _split_over_graphs(what: str, where: str) -> str:
+    """Why a region's other collective may be missing: a graph break splits the region, seen one part at a time."""
+    return (f"there is none in this graph {where} it: if {what} is in another graph, a graph break splits the region "
+            "(TORCH_LOGS=graph_breaks says where; async_op=True collectives with work.wait() and data-dependent "
+            "branches break graphs, funcol.all_to_all_single does not)")
+
+
+def _unpaired_why(a: AllToAll, a2as: list[AllToAll], order: dict) -> str:
+    splits = (a.output_splits or ()) + (a.input_splits or ())
+    rows = tensor_meta(a.input)
+    if rows is not None and rows.dim() >= 2 and not any(isinstance(s, fx.Node) for s in splits):
+        # None, [] or ints: sizes fixed at trace time (a counts exchange sends 1-D counts)
+        return ("(its split sizes are fixed at trace time, not routed counts: no token exchange of an MoE, or a "
+                "capacity-padded one, which sends padding where DeepEP sends only the routed (token, expert) slots)")
+    if not any(order[c.node] > order[a.node] for c in a2as):
+        return f"(no later all-to-all with swapped splits: {_split_over_graphs('the reverse all-to-all', 'after')})"
+    return "(no later all-to-all with swapped splits)"
 
 
 # ---------------------------------------------------------------- pairing the all-to-alls
@@ -162,6 +183,12 @@ def _feeds_splits(counts: AllToAll, tok: AllToAll, boundary: set[fx.Node]) -> bo
 def _index_meta(node) -> torch.Tensor | None:
     t = tensor_meta(node)
     return t if t is not None and t.dtype in _INDEX_DTYPES else None
+
+
+def _sizes_meta(node) -> torch.Tensor | None:
+    """Group sizes may be float: transformers feeds torch.histc's output straight into cumsum(dtype=int32)."""
+    t = tensor_meta(node)
+    return t if t is not None and (t.dtype in _INDEX_DTYPES or t.is_floating_point()) else None
 
 
 def token_rows(node, rows, width, floating: bool = True) -> bool:
@@ -350,11 +377,14 @@ def _expert_input(tok: AllToAll, counts: AllToAll, comb: AllToAll) -> fx.Node:
     a permutation of the received rows grouping them by local expert (gather, index_select, split + cat ...)."""
     received = {tok.result, counts.result}
     downstream = between({tok.result}, comb.input, stop=received) - {comb.input}
-    local = {n for n in downstream if tensor_meta(n) is not None and _computable_from(n, received)}
+    # the sent counts may be read too (host splits taken off one stack of sent and received sums, as transformers
+    # does); multi-output nodes (split, chunk, sort) carry the walk but are no candidates
+    local = {n for n in downstream if _computable_from(n, received | {counts.input})}
     local.add(tok.result)
-    frontier = {n for n in local if any(u not in local and not _reads_metadata(u, n) for u in n.users)}
+    frontier = {n for n in local if tensor_meta(n) is not None
+                and any(u not in local and not _reads_metadata(u, n) for u in n.users)}
     order = graph_order(tok.node.graph)
-    for candidate in sorted(local, key=order.__getitem__, reverse=True):
+    for candidate in sorted((n for n in local if tensor_meta(n) is not None), key=order.__getitem__, reverse=True):
         if not _reaches_avoiding(tok.result, frontier - {candidate}, avoid=candidate, within=local):
             return candidate
     return tok.result
@@ -420,7 +450,7 @@ def expert_counts_candidates(region: EPRegion) -> tuple[list[fx.Node], list[fx.N
     if not from_counts:
         raise Mismatch(tok.node, "the experts are given no group sizes derived from the received counts")
     candidates = {c for s in from_counts for c in upstream[s]
-                  if static_shape(_index_meta(c)) == (region.num_local_experts,)
+                  if static_shape(_sizes_meta(c)) == (region.num_local_experts,)
                   and counts.result in ancestors(c, stop=received)}
     order = graph_order(tok.node.graph)
     return sorted(candidates, key=order.__getitem__, reverse=True), from_counts
