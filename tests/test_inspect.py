@@ -81,13 +81,14 @@ def test_last_report_after_dynamo_reset_does_not_count_graphs_twice():
     assert moepass.last_report().to_dict()["graphs"] == 1
 
 
-def test_last_report_gathers_every_graph_of_one_compiled_model():
-    class Broken(TwoLinears):
-        def forward(self, x):
-            h = torch.relu(self.up(x))
-            torch._dynamo.graph_break()
-            return x + self.down(h)
+class Broken(TwoLinears):
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        torch._dynamo.graph_break()
+        return x + self.down(h)
 
+
+def test_last_report_gathers_every_graph_of_one_compiled_model():
     torch._dynamo.reset()
     torch.compile(Broken(), backend="moepass", options=OPTIONS)(X)
     report = moepass.last_report()
@@ -98,12 +99,6 @@ def test_last_report_gathers_every_graph_of_one_compiled_model():
 
 
 def test_collecting_counts_graph_breaks():
-    class Broken(TwoLinears):
-        def forward(self, x):
-            h = torch.relu(self.up(x))
-            torch._dynamo.graph_break()
-            return x + self.down(h)
-
     torch._dynamo.reset()
     with moepass.collecting() as report:
         torch.compile(Broken(), backend="moepass", options=OPTIONS)(X)
