@@ -126,8 +126,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8_rowwise.linear_both_layouts", "none", "quantize a linear's gradient (grads) and input (inputs) "
            "once into both FP8 layouts its two GEMMs read (per token and per channel; two reads by moepass's Triton "
            "kernels, the input's per-channel half saved for the wgrad in FP8) instead of twice, each fused into "
-           "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true). 16B on an H200: step 1.03x vs "
-           "all's 1.02x, within noise (examples/results/bench_16B_l4_both_layouts_h200/)",
+           "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true). 16B on an H200: "
+           "step 1.03x vs all's 1.02x, within noise (examples/results/bench_16B_l4_both_layouts_h200/)",
            choices=("none", "grads", "grads_and_inputs")),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),

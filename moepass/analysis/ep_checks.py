@@ -163,14 +163,14 @@ def _check_send_side(gm, region: EPRegion) -> list[torch.Tensor]:
     split_nodes = [s for s in tok.input_splits if isinstance(s, fx.Node)]
     # splits may be read off one host copy of [sent sums; received sums] (transformers 5): any received counts
     # will do there, and random ones make a real dependence on them fail the split check below
-    other_side = {counts.result: received_counts(region.group_size, region.num_local_experts)[0]}
+    other_side = _leaves(region, {counts.result: received_counts(region.group_size, region.num_local_experts)[0]})
     weights_applied, slots = None, []
     for i, ids in enumerate(routings(num_tokens, top_k, region.num_experts, device)):
         w = weights_sample(num_tokens, top_k, i, device)
         leaves = _leaves(region, {region.topk_ids: ids, region.topk_weights: w, region.x: x})
         try:
             (sent_counts,) = _evaluate(region, gm, [counts.input], leaves, observe_at=counts.node)
-            sent, *splits = _evaluate(region, gm, [tok.input, *split_nodes], {**leaves, **_leaves(region, other_side)},
+            sent, *splits = _evaluate(region, gm, [tok.input, *split_nodes], {**leaves, **other_side},
                                       observe_at=tok.node)
         except NotEvaluable as e:
             raise Mismatch(tok.node, f"rows or counts sent are not computed from x, expert ids and weights alone: {e}",
@@ -231,11 +231,11 @@ def _check_receive_side(gm, region: EPRegion) -> None:
     local, device = region.num_local_experts, _device(region)
     width = concrete(size_expr(tensor_meta(tok.result).shape[1]), region.symbols)
     out_split_nodes = [s for s in tok.output_splits if isinstance(s, fx.Node)]
-    samples = []
+    samples, sent = [], _sent_counts_sample(region)
     for received in received_counts(region.group_size, local):
         num_rows = int(received.sum())
         rows = x_sample(num_rows, width, device)  # row j carries j in its digits (width >= 9: check_region)
-        leaves = _leaves(region, {counts.result: received, tok.result: rows, counts.input: _sent_counts_sample(region)})
+        leaves = _leaves(region, {counts.result: received, tok.result: rows, counts.input: sent})
         try:
             grouped, *splits = _evaluate(region, gm, [region.expert_input, *out_split_nodes], leaves,
                                          forbidden={counts.node})
