@@ -365,11 +365,12 @@ AUTO_MLPS = [("16B", 2048, 1408), ("671B", 7168, 2048)]
 AUTO_EXPERTS, AUTO_TOP_K = 16, 8
 
 
-def expert_mlp(fp8: bool):
+def expert_mlp(fp8: bool, received: bool = False):
     """The routed experts as a MoE layer runs them: gather the routed tokens, w1 and w3, SiLU*up, w2.
 
     The FP8 version calls the op the grouped_mm pass writes under recipe="auto" (FP8 forward and dgrad, BF16
     wgrad); compiled, Inductor fuses the activations' quantization into the gather and the SiLU*up, as in a model.
+    received: the same rows through a nonzero, so their count is data dependent, as after an EP exchange.
     """
     def gemm(a, w, offs):
         w_t = w.transpose(-2, -1)
@@ -378,13 +379,15 @@ def expert_mlp(fp8: bool):
         return torch._grouped_mm(a, w_t, offs=offs)
 
     def mlp(hidden, idx, w1, w3, w2, offs):
+        if received:
+            idx = idx[(idx >= 0).nonzero().squeeze(-1)]  # every row, but M is now an unbacked SymInt
         x = hidden[idx]
         return gemm(F.silu(gemm(x, w1, offs)) * gemm(x, w3, offs), w2, offs)
 
     return mlp
 
 
-def bench_expert_mlp(dim: int, inter: int, tokens_per_expert: int, args) -> dict:
+def bench_expert_mlp(dim: int, inter: int, tokens_per_expert: int, args, received: bool = False) -> dict:
     experts = AUTO_EXPERTS
     m = experts * tokens_per_expert
     sizes = routed_group_sizes(experts, m, seed=dim + m)
@@ -403,7 +406,7 @@ def bench_expert_mlp(dim: int, inter: int, tokens_per_expert: int, args) -> dict
     began = time.perf_counter()
     torch._dynamo.reset()
     for name, fp8 in (("bf16", False), ("fp8", True)):
-        fn = compiled(expert_mlp(fp8), args.autotune)
+        fn = compiled(expert_mlp(fp8, received), args.autotune)
         row[f"{name}_ms"] = round(run(lambda fn=fn: torch.autograd.grad(
             fn(hidden, idx, w1, w3, w2, offs), leaves, grad_out)), 4)
     row["speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 3)
@@ -457,6 +460,29 @@ def auto_table(args) -> int:
     return 0
 
 
+def received_rows(args) -> int:
+    """--received-rows: each expert MLP with static rows and with the same rows made data dependent (EP's case,
+    where recipe="auto" decides on the rows to expect and the decomposition pads 16 spare rows), side by side."""
+    began = time.perf_counter()
+    result = {"schema": "moepass.bench_fp8_received_rows/1", **provenance(torch.cuda.get_device_capability()),
+              "settings": {"iters": args.iters, "warmup": args.warmup, "experts": AUTO_EXPERTS, "top_k": AUTO_TOP_K},
+              "rows": []}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print("expert MLP, fwd+bwd, FP8 rowwise over BF16: static row count | data-dependent row count")
+    for model, dim, inter in AUTO_MLPS:
+        if model not in args.models.split(","):
+            continue
+        for per_expert in (int(t) for t in args.tokens_per_expert_list.split(",")):
+            static, received = (bench_expert_mlp(dim, inter, per_expert, args, received=r) for r in (False, True))
+            result["rows"].append({"model": model, "static": static, "received": received})
+            print(f"{model:<5} dim={dim} inter={inter} tokens/expert={per_expert:<5} {static['speedup']:6.3f}x "
+                  f"({static['fp8_ms']:.2f} ms) | {received['speedup']:6.3f}x ({received['fp8_ms']:.2f} ms)", flush=True)
+            result["seconds"] = round(time.perf_counter() - began, 1)
+            out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
 # ---- provenance and main ------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -481,6 +507,9 @@ def parse_args(argv=None):
     p.add_argument("--tokens-list", default="4096,8192,16384,32768", help="--auto-table: M of the linears")
     p.add_argument("--tokens-per-expert-list", default="512,1024,2048,4096",
                    help="--auto-table: tokens per expert of the expert MLPs")
+    p.add_argument("--received-rows", action="store_true",
+                   help="the expert MLPs of --tokens-per-expert-list with static and with data-dependent row counts "
+                        "(as after an EP exchange), into --out")
     p.add_argument("--autotune", action="store_true",
                    help="let Inductor autotune _scaled_mm against Triton templates (default: aten's kernel)")
     args = p.parse_args(argv)
@@ -535,6 +564,8 @@ def main(argv=None) -> int:
         return 2
     if args.auto_table:
         return auto_table(args)
+    if args.received_rows:
+        return received_rows(args)
     began = time.perf_counter()
     cc = torch.cuda.get_device_capability()
     result = {

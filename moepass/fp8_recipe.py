@@ -77,11 +77,13 @@ def example_tokens(m) -> tuple[int | None, str]:
 
 
 def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
-                  experts: int | None = None) -> tuple[str, str]:
+                  experts: int | None = None, expected=None) -> tuple[str, str]:
     """recipe="auto": ("mxfp8" | "fp8_rowwise" | "bf16", reason) for one GEMM.
 
     kind: "linear" (y = x @ W.T, M tokens) or "grouped" (M routed rows over `experts` groups).
     m: int, SymInt or None; when unknown, the decision rests on K and N and the reason says so.
+    expected: for a data-dependent M (rows received by expert parallelism), the rows to expect
+    (moepass.analysis.routed_rows.ExpectedRows), decided on as if M were that.
     """
     if kind not in FP8_ROWWISE_MIN:
         raise ValueError(f"kind={kind!r} is not one of {sorted(FP8_ROWWISE_MIN)}")
@@ -100,11 +102,13 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if need is None:
         return "bf16", f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch} ({THRESHOLDS_SOURCE})"
     tokens, how = example_tokens(m)
+    if tokens is None and expected is not None:
+        tokens, how = expected.rows, f"M data-dependent, expected M={expected.rows}: {expected.why}"
     per = "tokens"
     if kind == "grouped":
         per = "tokens per expert"
         tokens = None if tokens is None or not experts else tokens // experts
-        if tokens is None:  # e.g. after an expert-parallel dispatch: the op cannot be decomposed (may be empty)
+        if tokens is None:  # data dependent, and no expert-parallel exchange upstream to expect a count from
             return "bf16", (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
                             f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
     table = fp8_auto_table.shipped()
@@ -138,12 +142,12 @@ def _table_decision(verdict: fp8_auto_table.Verdict, arch: str, table: fp8_auto_
 
 
 def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: int, n: int,
-                   experts: int | None = None) -> tuple[str, str]:
+                   experts: int | None = None, expected=None) -> tuple[str, str]:
     """The `recipe` option applied to one GEMM: an explicit recipe is honoured, "auto" chooses."""
     if requested not in RECIPES:
         raise OptionsError(f"moepass: recipe={requested!r} is not one of {list(RECIPES)}")
     if requested == "auto":
-        return choose_recipe(device, kind, m, k, n, experts)
+        return choose_recipe(device, kind, m, k, n, experts, expected)
     return requested, f"recipe={requested!r} requested"
 
 

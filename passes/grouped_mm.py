@@ -9,11 +9,13 @@ in FP8 (MXFP8, or rowwise e4m3 on Hopper); token group alignment is handled insi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
 from torch import fx
 
+from moepass.analysis.routed_rows import RoutedRows, example_int
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
 from moepass.gemm_plan import apply_plan, plan_gemm
@@ -68,18 +70,21 @@ def _problem(m: GroupedMMMatch, config) -> str | None:
 
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+    routed_rows = functools.cache(lambda: RoutedRows(gm))  # built only if a row count is data dependent
     for m in find_grouped_mms(gm):
         with record.in_scope(m.scope):
-            _rewrite(m, config, record)
+            _rewrite(m, config, record, routed_rows)
     log.debug("grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
 
 
-def _rewrite(m: GroupedMMMatch, config, record) -> None:
+def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
     problem = _problem(m, config)
     if problem:
         record.skip(m.node, m.module, problem)
         return
     x = tensor_meta(m.x)
     e, k, n = tensor_meta(m.w_t).shape
-    plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e)
+    # rows received by expert parallelism: known at run time only; decide on the rows to expect
+    expected = routed_rows().expected(m.x) if example_int(x.shape[0]) is None else None
+    plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e, expected=expected)
     apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}")

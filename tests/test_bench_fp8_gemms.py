@@ -120,6 +120,36 @@ def test_auto_table_on_cpu_writes_a_table_that_loads(bench, scaled_grouped_mm_on
     assert table.grouped(32, 64, 32).speedup == data["grouped"][1]["speedup"]  # w2 of the MLP
 
 
+def test_received_rows_on_cpu_times_static_and_data_dependent_rows_alike(bench, scaled_grouped_mm_on_cpu,  # noqa: F811
+                                                                          monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "compiled", _cpu_compiled)
+    monkeypatch.setattr(bench, "time_ms", _cpu_time_ms)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "CPU standing in")
+    monkeypatch.setattr(bench, "AUTO_MLPS", [("16B", 64, 32)])
+    out = tmp_path / "received.json"
+    args = bench.parse_args(["--received-rows", "--iters", "1", "--warmup", "0", "--out", str(out),
+                             "--tokens-per-expert-list", "16"])
+    assert args.received_rows and bench.received_rows(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["static"]["tokens_per_expert"] == row["received"]["tokens_per_expert"] == 16
+    for r in (row["static"], row["received"]):
+        assert r["speedup"] == pytest.approx(r["bf16_ms"] / r["fp8_ms"], rel=0.02, abs=2e-3)
+
+
+def test_received_expert_mlp_computes_what_the_static_one_does(bench, scaled_grouped_mm_on_cpu):  # noqa: F811
+    torch.manual_seed(1)
+    hidden, idx = torch.randn(6, 64).bfloat16(), torch.tensor([0, 3, 5, 1, 1, 2, 4, 0])
+    w1, w3, w2 = (torch.randn(2, 32, 64) / 8).bfloat16(), (torch.randn(2, 32, 64) / 8).bfloat16(), \
+        (torch.randn(2, 64, 32) / 6).bfloat16()
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    for fp8 in (False, True):
+        static = _cpu_compiled(bench.expert_mlp(fp8), False)(hidden, idx, w1, w3, w2, offs)
+        received = _cpu_compiled(bench.expert_mlp(fp8, received=True), False)(hidden, idx, w1, w3, w2, offs)
+        assert torch.equal(static, received), fp8
+
+
 def test_expert_mlp_bf16_is_the_routed_swiglu(bench):
     torch.manual_seed(0)
     hidden, idx = torch.randn(6, 16), torch.tensor([0, 3, 5, 1, 1, 2, 4, 0])

@@ -354,3 +354,82 @@ def test_experts_reading_their_row_count_are_refused_with_that_reason():
     # and the fix it names works
     (region,), skips = find_ep_regions(capture(ep_moe("scale_experts_by_group_sizes"), _x()))
     assert skips == [] and region.weights_applied == "after_experts"
+
+
+# ---------------------------------------------------------------- rows the experts can expect (routed_rows)
+
+
+def _experts_input(gm) -> torch.fx.Node:
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch._grouped_mm]
+    return mm.args[0]
+
+
+def _sm90(monkeypatch):
+    """recipe="auto" decides as on an H200 (the graph's tensors stay on the CPU)."""
+    from moepass import fp8_recipe
+    from moepass.ops.device_arch import CudaDevice
+
+    monkeypatch.setattr(fp8_recipe, "probe", lambda device, *_: CudaDevice("cuda:0", (9, 0), "NVIDIA H200"))
+
+
+def test_experts_expect_the_rows_this_rank_sends():
+    """Received rows are data dependent; on average a rank receives the T*K rows it sends."""
+    from moepass.analysis.routed_rows import RoutedRows, example_int
+    from moepass.graph import tensor_meta
+
+    gm = capture(ep_moe(), _x())
+    rows = _experts_input(gm)
+    assert example_int(tensor_meta(rows).shape[0]) is None  # unbacked: nothing to decide on without this
+    expected = RoutedRows(gm).expected(rows)
+    assert expected.rows == TOKENS * TOP_K and _all_to_alls(gm)[1].name in expected.why
+    assert RoutedRows(gm).expected(next(iter(gm.graph.nodes))) is None  # the input x: nothing upstream
+
+
+def test_experts_expect_the_rows_ep_dispatch_sends_after_the_deepep_rewrite():
+    from moepass.analysis.routed_rows import RoutedRows
+    from moepass.options import Config
+    from moepass.passes import deepep
+    from moepass.report import PassRecord
+
+    gm = capture(ep_moe(), _x())
+    record = PassRecord("deepep")
+    deepep.run(gm, [], Config.from_options({}), record)
+    assert len(record.rewrites) == 1 and not _all_to_alls(gm)
+    expected = RoutedRows(gm).expected(_experts_input(gm))
+    assert expected.rows == TOKENS * TOP_K and "moepass::ep_dispatch" in expected.why
+
+
+def test_auto_recipe_decides_grouped_gemms_after_an_exchange_on_the_rows_to_expect(monkeypatch):
+    """Before: 'tokens per expert unknown at compile time', BF16 whatever the load. Now the reason names the
+    expectation (here 32 rows over 4 local experts: too small for FP8, as the size rule says)."""
+    from moepass.options import Config
+    from moepass.passes import grouped_mm
+    from moepass.report import PassRecord
+
+    _sm90(monkeypatch)
+    gm = capture(ep_moe(), _x())
+    record = PassRecord("grouped_mm")
+    grouped_mm.run(gm, [], Config.from_options({}), record)
+    (skip,) = record.skipped
+    assert "left in BF16: too small" in skip.reason and "tokens per expert=8 < 512" in skip.reason
+    assert f"expected M={TOKENS * TOP_K}" in skip.reason and "all-to-all" in skip.reason
+
+
+def test_at_671b_dims_with_ep2_and_8192_tokens_per_rank_the_experts_take_fp8(monkeypatch):
+    """The issue's EP=2 case: 64 experts (32 a rank), top-8, 8,192 tokens a rank: 2,048 rows per local expert on
+    average, where the shipped table has the 671B expert MLP at 1.05x; at 4,096 tokens a rank (1,024) 0.92x."""
+    from moepass import fp8_recipe
+    from moepass.analysis.routed_rows import ExpectedRows
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    _sm90(monkeypatch)
+    received = ShapeEnv().create_unbacked_symint()
+    for k, n in ((7168, 2048), (7168, 4096), (2048, 7168)):  # w1, w1|w3 fused, w2
+        recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, k, n, experts=32,
+                                               expected=ExpectedRows(8192 * 8, "sent"))
+        assert recipe == "fp8_rowwise" and "expected M=65536" in why and "1.05x" in why, why
+        recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, k, n, experts=32,
+                                               expected=ExpectedRows(4096 * 8, "sent"))
+        assert recipe == "bf16" and "does not pay" in why, why
+    recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 7168, 2048, experts=32)
+    assert recipe == "bf16" and "tokens per expert unknown" in why  # no exchange upstream: as before

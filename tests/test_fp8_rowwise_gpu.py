@@ -388,3 +388,40 @@ def test_compiled_linears_with_both_layouts_equal_the_default(both):
     assert graphs["backward"].get("moepass.fp8_rowwise_rows_and_cols") == 2, graphs  # each linear's grad_out
     assert graphs["forward"].get("moepass.fp8_rowwise_rows_and_cols", 0) == (2 if both == "grads_and_inputs" else 0)
     assert graphs["backward"]["aten._scaled_mm"] == 4 and graphs["forward"]["aten._scaled_mm"] == 2, graphs
+
+
+# ---- rows received by expert parallelism: a data-dependent row count, maybe 0 ---------------------------
+
+def _received_rows_mm(x_all, keep, group_of_row, w_t, kernel):
+    index = keep.nonzero().squeeze(-1)  # unbacked row count, as after an EP exchange
+    groups = group_of_row[index]
+    counts = torch.zeros(w_t.shape[0], dtype=torch.int64, device=x_all.device).scatter_add(
+        0, groups, torch.ones_like(groups))
+    return ops.fp8_rowwise_grouped_mm(x_all[index], w_t, counts.cumsum(0).to(torch.int32), True, kernel)
+
+
+@needs_sm90
+@pytest.mark.parametrize("kept", [0.7, 0.0])
+def test_compiled_grouped_on_data_dependent_rows_is_decomposed_and_equals_eager(kept):
+    """Inductor-fused quantization and torch._scaled_grouped_mm where the row count is unbacked (16 spare zero
+    rows keep every kernel off M=0): the same numbers as the eager op, also when no row arrives."""
+    x_all, w_t, _, _ = grouped_inputs([300, 500, 200, 24], 256, 128, seed=1700, device="cuda")
+    group_of_row = torch.arange(1024, device="cuda") * 4 // 1024
+    keep = torch.rand(1024, device="cuda", generator=torch.Generator("cuda").manual_seed(5)) < kept
+    audit = []
+    fn = _compiled_with_decompositions(lambda *a: _received_rows_mm(*a, "scaled_mm"), audit)
+    leaf = x_all.clone().requires_grad_(True)
+    out = fn(leaf, keep, group_of_row, w_t)
+    g = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16)
+    out.backward(g)
+    eager_leaf = x_all.clone().requires_grad_(True)
+    want = _received_rows_mm(eager_leaf, keep, group_of_row, w_t, "scaled_mm")
+    want.backward(g)
+    assert out.shape == want.shape and out.shape[0] == int(keep.sum())
+    if out.shape[0]:
+        assert sqnr(want, out) >= CLOSE_TO_EMULATED_DB and sqnr(eager_leaf.grad, leaf.grad) >= CLOSE_TO_EMULATED_DB
+    assert not leaf.grad[~keep].any()
+    graphs = {c["kind"]: c["ops"] for c in audit}
+    assert graphs["forward"].get("aten._scaled_grouped_mm") == 1 and "moepass.fp8_rowwise_grouped_mm" not in \
+        graphs["forward"], graphs
+    assert graphs["backward"].get("aten._scaled_grouped_mm") == 1, graphs  # the dgrad; the wgrad is BF16
