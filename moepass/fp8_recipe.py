@@ -82,8 +82,8 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
 
     kind: "linear" (y = x @ W.T, M tokens) or "grouped" (M routed rows over `experts` groups).
     m: int, SymInt or None; when unknown, the decision rests on K and N and the reason says so.
-    expected: for a data-dependent M (rows received by expert parallelism), the rows to expect
-    (moepass.analysis.routed_rows.ExpectedRows), decided on as if M were that.
+    expected: for a data-dependent M (rows received by expert parallelism), a callable giving the rows to expect
+    (moepass.analysis.routed_rows.ExpectedRows, or None), decided on as if M were that; called only when needed.
     """
     if kind not in FP8_ROWWISE_MIN:
         raise ValueError(f"kind={kind!r} is not one of {sorted(FP8_ROWWISE_MIN)}")
@@ -102,7 +102,8 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if need is None:
         return "bf16", f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch} ({THRESHOLDS_SOURCE})"
     tokens, how = example_tokens(m)
-    if tokens is None and expected is not None:
+    expected = expected() if tokens is None and expected is not None else None
+    if expected is not None:
         tokens, how = expected.rows, f"M data-dependent, expected M={expected.rows}: {expected.why}"
     per = "tokens"
     if kind == "grouped":

@@ -36,7 +36,7 @@ def plan_gemm(config, kind: str, device: torch.device, m, k: int, n: int, expert
               expected=None):
     """A GemmPlan for a `kind` ("linear" or "grouped") GEMM of M x K x N, or the reason it is left alone.
 
-    expected: the rows to expect where M is data dependent (fp8_recipe.choose_recipe)."""
+    expected: a callable giving the rows to expect where M is data dependent (fp8_recipe.choose_recipe)."""
     recipe, why = resolve_recipe(config["recipe"], device, kind, m, k, n, experts=experts, expected=expected)
     problem = why if recipe == "bf16" else recipe_shape_problem(recipe, k, n)
     if problem:

@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import fx
 
-from moepass.analysis.routed_rows import RoutedRows, example_int
+from moepass.analysis.routed_rows import RoutedRows
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
 from moepass.gemm_plan import apply_plan, plan_gemm
@@ -84,7 +84,7 @@ def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
         return
     x = tensor_meta(m.x)
     e, k, n = tensor_meta(m.w_t).shape
-    # rows received by expert parallelism: known at run time only; decide on the rows to expect
-    expected = routed_rows().expected(m.x) if example_int(x.shape[0]) is None else None
-    plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e, expected=expected)
+    # rows received by expert parallelism are known at run time only: recipe=auto decides on the rows to expect
+    plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e,
+                     expected=lambda: routed_rows().expected(m.x))
     apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}")
