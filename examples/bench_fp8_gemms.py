@@ -423,7 +423,7 @@ def auto_table(args) -> int:
              "capability": list(cc), "settings": {"iters": args.iters, "warmup": args.warmup,
                                                   "expert_mlp": {"experts": AUTO_EXPERTS, "top_k": AUTO_TOP_K,
                                                                  "wgrad": "BF16 (fp8_rowwise.wgrad_bf16=auto)"}},
-             "linear": [], "grouped": []}
+             "linear": [], "grouped": [], "grouped_received": []}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -451,8 +451,11 @@ def auto_table(args) -> int:
         for per_expert in (int(t) for t in args.tokens_per_expert_list.split(",")):
             r = {"model": model, **bench_expert_mlp(dim, inter, per_expert, args)}
             table["grouped"].append(r)
-            print(f"{model:<5} expert MLP dim={dim} inter={inter} tokens/expert={per_expert:<5} {r['speedup']:6.3f}x",
-                  flush=True)
+            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):  # nonzero traced, not a break
+                received = {"model": model, **bench_expert_mlp(dim, inter, per_expert, args, received=True)}
+            table["grouped_received"].append(received)
+            print(f"{model:<5} expert MLP dim={dim} inter={inter} tokens/expert={per_expert:<5} {r['speedup']:6.3f}x "
+                  f"(received rows {received['speedup']:6.3f}x)", flush=True)
             save()
     save()
     fp8_auto_table.AutoTable(table, str(out))  # the file must load as recipe="auto" will read it

@@ -7,6 +7,10 @@ Each row is one GEMM shape at one token count, timed on one GPU by
   forward and backward), since alone each grouped GEMM loses while in the model Inductor fuses the
   activations' quantization into their producers. Keyed by the MLP's (dim, inter) at tokens per expert.
 
+- grouped_received rows: the same MLP on rows whose count is data dependent, as the experts get them after an
+  expert-parallel exchange (`python examples/bench_fp8_gemms.py --received-rows` measures both side by side):
+  the quantization then runs unfused (the op stays opaque), so these rows are what recipe="auto" reads there.
+
 A GEMM whose shape the table holds is decided by the speedup at its token count, interpolated in log(tokens)
 between the two measured counts around it. Below the smallest count measured it stays BF16 (unmeasured, and
 FP8's margin shrinks with M); above the largest it takes the largest's (the margin grows with M). Shapes the
@@ -51,25 +55,35 @@ class AutoTable:
         self._linear: dict[tuple[int, int], list[tuple[int, float]]] = {}
         for r in data["linear"]:
             self._linear.setdefault((r["K"], r["N"]), []).append((r["tokens"], r["speedup"]))
-        self._grouped: dict[tuple[int, int], list[tuple[int, float]]] = {}
-        for r in data["grouped"]:
-            self._grouped.setdefault((r["dim"], r["inter"]), []).append((r["tokens_per_expert"], r["speedup"]))
-        for curves in (self._linear, self._grouped):
-            for curve in curves.values():
-                curve.sort()
+        self._grouped = _mlp_curves(data["grouped"])
+        self._grouped_received = _mlp_curves(data.get("grouped_received", []))
+        for curve in self._linear.values():
+            curve.sort()
 
     def linear(self, k: int, n: int, tokens: int) -> Verdict | None:
         """None when (K, N) was not measured."""
         curve = self._linear.get((k, n))
         return None if curve is None else _interpolate(curve, tokens, "M", f"linear K={k} N={n}")
 
-    def grouped(self, k: int, n: int, tokens_per_expert: int) -> Verdict | None:
-        """An expert GEMM (K, N) of a measured MLP: w1 or w3 (dim, inter), both fused (dim, 2*inter), w2 (inter, dim)."""
-        for (dim, inter), curve in self._grouped.items():
+    def grouped(self, k: int, n: int, tokens_per_expert: int, received: bool = False) -> Verdict | None:
+        """An expert GEMM (K, N) of a measured MLP: w1 or w3 (dim, inter), both fused (dim, 2*inter), w2 (inter, dim).
+
+        received: its rows come from an expert-parallel exchange (data-dependent count): the grouped_received rows.
+        """
+        curves = self._grouped_received if received else self._grouped
+        for (dim, inter), curve in curves.items():
             if (k, n) in ((dim, inter), (dim, 2 * inter), (inter, dim)):
+                rows = " on received (data-dependent) rows" if received else ""
                 return _interpolate(curve, tokens_per_expert, "tokens per expert",
-                                    f"expert MLP dim={dim} inter={inter}")
+                                    f"expert MLP dim={dim} inter={inter}{rows}")
         return None
+
+
+def _mlp_curves(rows: list[dict]) -> dict[tuple[int, int], list[tuple[int, float]]]:
+    curves: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for r in rows:
+        curves.setdefault((r["dim"], r["inter"]), []).append((r["tokens_per_expert"], r["speedup"]))
+    return {mlp: sorted(curve) for mlp, curve in curves.items()}
 
 
 def _interpolate(curve: list[tuple[int, float]], tokens: int, unit: str, what: str) -> Verdict:

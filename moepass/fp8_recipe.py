@@ -114,9 +114,12 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
                             f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
     table = fp8_auto_table.shipped()
     if tokens is not None and table is not None and table.capability == cc:
-        verdict = table.linear(k, n, tokens) if kind == "linear" else table.grouped(k, n, tokens)
+        verdict = table.linear(k, n, tokens) if kind == "linear" else table.grouped(k, n, tokens, expected is not None)
         if verdict is not None:
             return _table_decision(verdict, arch, table, how)
+    if expected is not None:  # the size rule below was read off static rows, where the quantization fuses
+        return "bf16", (f"left in BF16: FP8 rowwise was not measured for this expert MLP on rows received by "
+                        f"expert parallelism ({how}); `python examples/bench_fp8_gemms.py --received-rows` measures it")
     if kind == "linear":  # the size rule: shapes the table does not hold
         work, least_work = k * n, "K*N"
     else:

@@ -113,11 +113,13 @@ def test_auto_table_on_cpu_writes_a_table_that_loads(bench, scaled_grouped_mm_on
     assert data["schema"] == fp8_auto_table.SCHEMA and data["capability"] == [9, 0]
     assert [(r["K"], r["N"], r["tokens"]) for r in data["linear"]] == [(64, 48, 32), (64, 48, 64)]
     assert [(r["dim"], r["inter"], r["tokens_per_expert"]) for r in data["grouped"]] == [(64, 32, 16), (64, 32, 32)]
-    for r in data["linear"] + data["grouped"]:
+    assert [r["tokens_per_expert"] for r in data["grouped_received"]] == [16, 32]  # the same MLPs on received rows
+    for r in data["linear"] + data["grouped"] + data["grouped_received"]:
         assert r["speedup"] == pytest.approx(r["bf16_ms"] / r["fp8_ms"], rel=0.02, abs=2e-3)  # both rounded
     table = fp8_auto_table.AutoTable(data, str(out))
     assert table.linear(64, 48, 64).speedup == data["linear"][1]["speedup"]
     assert table.grouped(32, 64, 32).speedup == data["grouped"][1]["speedup"]  # w2 of the MLP
+    assert table.grouped(32, 64, 32, received=True).speedup == data["grouped_received"][1]["speedup"]
 
 
 def test_received_rows_on_cpu_times_static_and_data_dependent_rows_alike(bench, scaled_grouped_mm_on_cpu,  # noqa: F811

@@ -402,18 +402,20 @@ def _received_rows_mm(x_all, keep, group_of_row, w_t, kernel):
 
 @needs_sm90
 @pytest.mark.parametrize("kept", [0.7, 0.0])
-def test_compiled_grouped_on_data_dependent_rows_is_decomposed_and_equals_eager(kept):
-    """Inductor-fused quantization and torch._scaled_grouped_mm where the row count is unbacked (16 spare zero
-    rows keep every kernel off M=0): the same numbers as the eager op, also when no row arrives."""
+def test_compiled_grouped_on_data_dependent_rows_keeps_the_op_and_equals_eager(kept):
+    """Where the row count is unbacked (rows received in an EP exchange) the grouped op stays opaque (decomposed it
+    measured slower: examples/results/received_rows_h200/): compiled, it gives the eager op's numbers, also when
+    no row arrives."""
     x_all, w_t, _, _ = grouped_inputs([300, 500, 200, 24], 256, 128, seed=1700, device="cuda")
     group_of_row = torch.arange(1024, device="cuda") * 4 // 1024
     keep = torch.rand(1024, device="cuda", generator=torch.Generator("cuda").manual_seed(5)) < kept
     audit = []
     fn = _compiled_with_decompositions(lambda *a: _received_rows_mm(*a, "scaled_mm"), audit)
     leaf = x_all.clone().requires_grad_(True)
-    out = fn(leaf, keep, group_of_row, w_t)
-    g = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16)
-    out.backward(g)
+    with torch._inductor.config.patch(force_disable_caches=True):  # both cases compile: the audit sees both
+        out = fn(leaf, keep, group_of_row, w_t)
+        g = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16)
+        out.backward(g)
     eager_leaf = x_all.clone().requires_grad_(True)
     want = _received_rows_mm(eager_leaf, keep, group_of_row, w_t, "scaled_mm")
     want.backward(g)
@@ -422,6 +424,5 @@ def test_compiled_grouped_on_data_dependent_rows_is_decomposed_and_equals_eager(
         assert sqnr(want, out) >= CLOSE_TO_EMULATED_DB and sqnr(eager_leaf.grad, leaf.grad) >= CLOSE_TO_EMULATED_DB
     assert not leaf.grad[~keep].any()
     graphs = {c["kind"]: c["ops"] for c in audit}
-    assert graphs["forward"].get("aten._scaled_grouped_mm") == 1 and "moepass.fp8_rowwise_grouped_mm" not in \
-        graphs["forward"], graphs
-    assert graphs["backward"].get("aten._scaled_grouped_mm") == 1, graphs  # the dgrad; the wgrad is BF16
+    assert graphs["forward"].get("moepass.fp8_rowwise_grouped_mm") == 1, graphs
+    assert graphs["backward"].get("moepass.fp8_rowwise_grouped_mm_dgrad") == 1, graphs

@@ -17,6 +17,7 @@ padded token-group layout) and the GEMM: the quantization of x that w1's and w3'
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -57,20 +58,9 @@ def cols_of(t: Tensor, both_layouts: bool) -> tuple[Tensor, Tensor]:
 
 
 def pad_tokens(t: Tensor) -> Tensor:
-    """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs its reduction dim % 16 == 0.
-
-    Where M may be 0 (data dependent), 1 to 16 zero rows always: a column amax needs a row to reduce over.
-    """
-    missing = FP8_ALIGN - t.shape[0] % FP8_ALIGN if _maybe_empty(t.shape[0]) else -t.shape[0] % FP8_ALIGN
+    """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs its reduction dim % 16 == 0."""
+    missing = -t.shape[0] % FP8_ALIGN
     return t if statically_known_true(missing == 0) else F.pad(t, (0, 0, 0, missing))
-
-
-def with_spare_rows(t: Tensor) -> tuple[Tensor, int]:
-    """(t, M), or t with 16 zero rows appended where M may be 0: a grouped GEMM's rows received by expert
-    parallelism. No kernel then sees zero tokens; rows at or after offs[-1] are never read, so the GEMM's
-    first M rows are unchanged (the quantization fuses the padding, the caller slices them off)."""
-    rows_ = t.shape[0]
-    return (F.pad(t, (0, 0, 0, FP8_ALIGN)) if _maybe_empty(rows_) else t), rows_
 
 
 # ---- the six GEMMs, kernel "scaled_mm" ----------------------------------------------------------
@@ -116,26 +106,24 @@ def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, weights_once: bool = False)
 
     weights_once: the weight through moepass::fp8_rowwise_expert_weights, which the dgrad calls too (one pass).
     """
-    x, tokens = with_spare_rows(x)
     x_q, x_scale = rows(x)  # [M, K], [M, 1]
     if weights_once:
         w_q, w_scale, _, _ = torch.ops.moepass.fp8_rowwise_expert_weights(w_t)
     else:
         w_q, w_scale = cols(w_t)  # [E, K, N] column-major, [E, 1, N]
     out = scaled_grouped_mm(x_q, x_scale.reshape(-1), w_q, w_scale.squeeze(1), offs)
-    return zero_rows_after_last_group(out[:tokens], offs)
+    return zero_rows_after_last_group(out, offs)
 
 
 def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, weights_once: bool = False) -> Tensor:
     """moepass::fp8_rowwise_grouped_mm_dgrad: grad_out per token, each expert's weight per input channel (along N)."""
-    grad_out, tokens = with_spare_rows(grad_out)
     g_q, g_scale = rows(grad_out)  # [M, N], [M, 1]
     if weights_once:  # the same call as the forward's: CSE leaves one, in the forward, saving this half
         _, _, w_q, w_scale = torch.ops.moepass.fp8_rowwise_expert_weights(w_t)
     else:
         w_q, w_scale = rows(w_t)  # [E, K, N] row-major: its transpose is dgrad's column-major [E, N, K]
     grad_x = scaled_grouped_mm(g_q, g_scale.reshape(-1), w_q.transpose(-2, -1), w_scale.squeeze(-1), offs)
-    return zero_rows_after_last_group(grad_x[:tokens], offs)
+    return zero_rows_after_last_group(grad_x, offs)
 
 
 def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
@@ -149,7 +137,7 @@ def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
 # ---- decompositions: only kernel "scaled_mm"; "emulated" stays the op it is -------------------------
 
 def _maybe_empty(m) -> bool:
-    """Token count not known to be positive: 0, or data dependent (rows received by expert parallelism)."""
+    """Token count not known to be positive (0, or data dependent): keep the op, which handles zero tokens."""
     return not statically_known_true(m > 0)
 
 
@@ -164,25 +152,25 @@ def _decompose_linear_dgrad(grad_out, weight, kernel, both=()):
 
 
 def _decompose_linear_wgrad(grad_out, x, kernel, both=()):
-    if kernel != "scaled_mm":
+    if kernel != "scaled_mm" or _maybe_empty(math.prod(grad_out.shape[:-1])):  # amax over no tokens fails
         return NotImplemented
     return linear_wgrad(grad_out, x, "grads" in both, "inputs" in both)
 
 
 def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel, weights_once=False):
-    if kernel != "scaled_mm":
+    if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
         return NotImplemented
     return grouped_mm(x, w_t, offs, weights_once)
 
 
 def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel, weights_once=False):
-    if kernel != "scaled_mm":
+    if kernel != "scaled_mm" or _maybe_empty(grad_out.shape[0]):
         return NotImplemented
     return grouped_mm_dgrad(grad_out, w_t, offs, weights_once)
 
 
 def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
-    if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):  # the token-group kernel's layout needs tokens
+    if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
         return NotImplemented
     return grouped_mm_wgrad(grad_out, x, offs)
 
