@@ -117,9 +117,6 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         verdict = table.linear(k, n, tokens) if kind == "linear" else table.grouped(k, n, tokens, expected is not None)
         if verdict is not None:
             return _table_decision(verdict, arch, table, how)
-    if expected is not None:  # the size rule below was read off static rows, where the quantization fuses
-        return "bf16", (f"left in BF16: FP8 rowwise was not measured for this expert MLP on rows received by "
-                        f"expert parallelism ({how}); `python examples/bench_fp8_gemms.py --received-rows` measures it")
     if kind == "linear":  # the size rule: shapes the table does not hold
         work, least_work = k * n, "K*N"
     else:
@@ -132,6 +129,9 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         size = f"M*K*N={tokens * k * n:.3g}" if kind == "linear" and tokens is not None else how
         return "bf16", (f"left in BF16: too small for FP8 to win on {arch} ({', '.join(small)}; {size}); "
                         f"thresholds: {THRESHOLDS_SOURCE}")
+    if expected is not None:  # the size rule was read off static rows, where the quantization fuses into producers
+        return "bf16", (f"left in BF16: FP8 rowwise was not measured for this expert MLP on rows received by "
+                        f"expert parallelism ({how}); `python examples/bench_fp8_gemms.py --received-rows` measures it")
     return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens}, "
                            f"{least_work}>={need.work:.3g} ({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
 

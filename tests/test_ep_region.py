@@ -8,6 +8,8 @@ the EPRegion's fields for the correct MoE, and for each change the one RegionSki
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -415,21 +417,30 @@ def test_auto_recipe_decides_grouped_gemms_after_an_exchange_on_the_rows_to_expe
     assert f"expected M={TOKENS * TOP_K}" in skip.reason and "all-to-all" in skip.reason
 
 
-def test_at_671b_dims_with_ep2_and_8192_tokens_per_rank_the_experts_take_fp8(monkeypatch):
-    """The issue's EP=2 case: 64 experts (32 a rank), top-8, 8,192 tokens a rank: 2,048 rows per local expert on
-    average, where the shipped table has the 671B expert MLP at 1.05x; at 4,096 tokens a rank (1,024) 0.92x."""
-    from moepass import fp8_recipe
+def test_at_671b_dims_with_ep2_the_experts_follow_the_table_measured_on_received_rows(monkeypatch):
+    """The issue's EP=2 case: 64 experts (32 a rank), top-8. Received rows run the opaque op (unfused quantization), so
+    auto reads the table's grouped_received curve: at 8,192 tokens a rank (2,048 rows per local expert on average)
+    FP8 measured 0.97x there (1.07x on static rows): BF16; at 16,384 tokens a rank (4,096) 1.04x: FP8."""
+    from moepass import fp8_auto_table, fp8_recipe
     from moepass.analysis.routed_rows import ExpectedRows
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     _sm90(monkeypatch)
     received = ShapeEnv().create_unbacked_symint()
+    curve = {r["tokens_per_expert"]: r["speedup"] for r in
+             json.loads(fp8_auto_table.SHIPPED.read_text())["grouped_received"] if r["dim"] == 7168}
     for k, n in ((7168, 2048), (7168, 4096), (2048, 7168)):  # w1, w1|w3 fused, w2
-        recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, k, n, experts=32,
-                                               expected=lambda: ExpectedRows(8192 * 8, "sent"))
-        assert recipe == "fp8_rowwise" and "expected M=65536" in why and "1.05x" in why, why
-        recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, k, n, experts=32,
-                                               expected=lambda: ExpectedRows(4096 * 8, "sent"))
-        assert recipe == "bf16" and "does not pay" in why, why
+        for tokens_per_rank, per_expert in ((8192, 2048), (16384, 4096)):
+            recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, k, n, experts=32,
+                                                   expected=lambda t=tokens_per_rank: ExpectedRows(t * 8, "sent"))
+            want = "fp8_rowwise" if curve[per_expert] >= fp8_auto_table.MIN_SPEEDUP else "bf16"
+            assert recipe == want and f"expected M={tokens_per_rank * 8}" in why and "received" in why, why
+            assert f"{curve[per_expert]:.2f}x" in why
+    recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 2048, 1408, experts=32,
+                                           expected=lambda: ExpectedRows(16384 * 8, "sent"))
+    assert recipe == "bf16" and "too small" in why  # 16B: the size rule (static rows lost there already)
+    recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 8192, 8192, experts=32,
+                                           expected=lambda: ExpectedRows(16384 * 8, "sent"))
+    assert recipe == "bf16" and "not measured" in why and "--received-rows" in why  # big enough, but no curve
     recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 7168, 2048, experts=32)
     assert recipe == "bf16" and "tokens per expert unknown" in why  # no exchange upstream: as before
