@@ -17,6 +17,7 @@ import torch
 
 from . import fp8_auto_table
 from .gemm_rules import shape_problem
+from .graph import example_int
 from .ops.device_arch import probe
 from .ops.formats import FP8_ALIGN as ALIGN
 from .options import OptionsError
@@ -70,9 +71,9 @@ def example_tokens(m) -> tuple[int | None, str]:
         return None, "M unknown at compile time"
     if isinstance(m, int):
         return m, f"M={m}"
-    hint = getattr(getattr(m, "node", None), "hint", None)
-    if hint is not None:
-        return int(hint), f"M symbolic, example M={int(hint)}"
+    value = example_int(m)
+    if value is not None:
+        return value, f"M symbolic, example M={value}"
     return None, "M data-dependent (unknown at compile time)"
 
 

@@ -51,6 +51,15 @@ def static_int(size) -> int | None:
     return int(value) if getattr(value, "is_Integer", False) else None
 
 
+def example_int(size) -> int | None:
+    """A size as an int: static, or a backed symbol's example value; None when data dependent (unbacked)."""
+    value = static_int(size)
+    if value is not None:
+        return value
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return None if hint is None else int(hint)
+
+
 def static_shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
     """The tensor's shape as ints, or None when any size is symbolic."""
     if t is None:

@@ -376,8 +376,8 @@ def _sm90(monkeypatch):
 
 def test_experts_expect_the_rows_this_rank_sends():
     """Received rows are data dependent; on average a rank receives the T*K rows it sends."""
-    from moepass.analysis.routed_rows import RoutedRows, example_int
-    from moepass.graph import tensor_meta
+    from moepass.analysis.routed_rows import RoutedRows
+    from moepass.graph import example_int, tensor_meta
 
     gm = capture(ep_moe(), _x())
     rows = _experts_input(gm)

@@ -16,7 +16,7 @@ from collections import deque
 import torch
 from torch import fx
 
-from moepass.graph import static_int, tensor_meta
+from moepass.graph import example_int, static_int, tensor_meta
 from .collectives import find_all_to_alls
 from .scopes import dataflow, graph_scopes
 
@@ -25,15 +25,6 @@ from .scopes import dataflow, graph_scopes
 class ExpectedRows:
     rows: int
     why: str
-
-
-def example_int(size) -> int | None:
-    """A size as an int: static, or a backed symbol's example value; None when data dependent."""
-    value = static_int(size)
-    if value is not None:
-        return value
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    return None if hint is None else int(hint)
 
 
 class RoutedRows:
