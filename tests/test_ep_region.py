@@ -444,3 +444,39 @@ def test_at_671b_dims_with_ep2_the_experts_follow_the_table_measured_on_received
     assert recipe == "bf16" and "not measured" in why and "--received-rows" in why  # big enough, but no curve
     recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 7168, 2048, experts=32)
     assert recipe == "bf16" and "tokens per expert unknown" in why  # no exchange upstream: as before
+
+
+# every grouped GEMM on received rows in the EP catalog (blocks written apart from the pass, tests/independent)
+# expects T*K rows; where the rows sent are data dependent too (masked_select) there is nothing to expect before
+# the deepep rewrite (after it, moepass::ep_dispatch's ids give T*K)
+_NOTHING_TO_EXPECT = {"MegatronMaskedSelectSortChunks", "CapacityDroppingDispatch", "SenderPaddedGroups"}
+# blocks whose experts are no grouped GEMM on received rows (a per-expert loop, bmm, einsum, padded static rows)
+_NO_GROUPED_ON_RECEIVED_ROWS = {"SequentialMLPSplitLoop", "PaddedCapacityBmm", "DeepSpeedNoDropCapacityEinsum",
+                                "TransformersAllToAllEP", "TorchAOPaddedPermute"}
+_CATALOG_BLOCKS = [(c, n) for c in ("ep_catalog", "ep_catalog_unseen") for n in __import__(c).CATALOG]
+
+
+@pytest.mark.parametrize("catalog, name", _CATALOG_BLOCKS, ids=[n for _, n in _CATALOG_BLOCKS])
+def test_catalog_experts_expect_the_rows_each_rank_sends(catalog, name):
+    from moepass.analysis.routed_rows import RoutedRows
+    from moepass.analysis.scopes import graph_scopes
+    from moepass.graph import example_int, tensor_meta
+
+    block = __import__(catalog).build(name, dist.group.WORLD)
+    graphs = []
+
+    def backend(gm, _):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(block, backend=backend)(torch.randn(2, 8, 64, dtype=torch.bfloat16))
+    except Exception:  # noqa: BLE001  (the fake group's collectives return garbage: only the graphs are read)
+        pass
+    expected = [RoutedRows(gm).expected(n.args[0]) for gm in graphs for scope in graph_scopes(gm)
+                for n in scope.graph.nodes if n.target is torch._grouped_mm
+                and example_int(tensor_meta(n.args[0]).shape[0]) is None]
+    want = None if name in _NOTHING_TO_EXPECT else 2 * 8 * 2  # B * S * top-k
+    assert bool(expected) == (name not in _NO_GROUPED_ON_RECEIVED_ROWS), (name, expected)
+    assert all((e.rows if e else None) == want for e in expected), (name, expected)
