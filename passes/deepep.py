@@ -25,6 +25,7 @@ from torch import fx
 from torch.fx.node import map_arg
 
 from moepass.analysis.collectives import is_autograd_function, is_collective
+from moepass.analysis.dtensors import is_dtensor, local_value
 from moepass.analysis.ep_region import EPRegion, find_ep_regions, result_readers
 from moepass.analysis.scopes import graph_scopes
 from moepass.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
@@ -136,8 +137,13 @@ def _bind_unbacked(fake_mode, node, value) -> None:
             node.meta["unbacked_bindings"] = bindings
 
 
+def _local(emit: _Emitter, node: fx.Node) -> fx.Node:
+    """A DTensor operand's local shard (the EP analysis identified the region on local data), else the node."""
+    return emit("to_local", node, method=True) if is_dtensor(example_value(node)) else node
+
+
 def _fake_mode(region: EPRegion):
-    value = example_value(region.x)
+    value = local_value(example_value(region.x))
     return getattr(value, "fake_mode", None)
 
 
@@ -165,13 +171,14 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     x_meta, sent_meta = tensor_meta(region.x), tensor_meta(region.token_a2a.input)
     with graph.inserting_before(region.token_a2a.node):
         # the ops take [T, K] ids and weights and [T, D] rows; models may hold [B, S, K] and [B, S, D]
-        ids = _as_rows(emit, region.topk_ids)
+        # (or DTensors sharded over tokens: a rank dispatches its own shard)
+        ids = _as_rows(emit, _local(emit, region.topk_ids))
         if tensor_meta(ids).dtype != torch.int64:
             ids = emit("to", ids, torch.int64, method=True)
-        weights = _as_rows(emit, region.topk_weights)
+        weights = _as_rows(emit, _local(emit, region.topk_weights))
         if tensor_meta(weights).dtype != torch.float32:
             weights = emit("float", weights, method=True)
-        x = _as_rows(emit, region.x)
+        x = _as_rows(emit, _local(emit, region.x))
         if x_meta.dtype != sent_meta.dtype:  # the original sent rows cast to this dtype
             x = emit("to", x, sent_meta.dtype, method=True)
         dispatched = emit(torch.ops.moepass.ep_dispatch.default, x, ids, weights, region.num_experts,

@@ -17,6 +17,7 @@ from torch import fx
 
 from moepass.analysis.routed_rows import RoutedRows
 from moepass.analysis.scopes import Scope, graph_scopes
+from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
 from moepass.gemm_plan import apply_plan, plan_gemm
 from moepass.gemm_rules import dtype_problem, module_filter_problem
@@ -79,12 +80,17 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
 
 def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
     problem = _problem(m, config)
-    if problem:
-        record.skip(m.node, m.module, problem)
+    sharded = sharded_gemm("grouped_mm", [m.x, m.w_t, m.offs]) if not problem else None
+    if problem or isinstance(sharded, str):
+        record.skip(m.node, m.module, problem or sharded)
         return
     x = tensor_meta(m.x)
-    e, k, n = tensor_meta(m.w_t).shape
+    # expert tensor parallelism on DTensors: plan (alignment, speed) on each rank's shards
+    x_shape, (e, k, n) = (x.shape, tensor_meta(m.w_t).shape) if sharded is None else sharded.local_shapes[:2]
     # rows received by expert parallelism are known at run time only: recipe=auto decides on the rows to expect
-    plan = plan_gemm(config, "grouped", x.device, x.shape[0], k, n, experts=e,
+    plan = plan_gemm(config, "grouped", x.device, x_shape[0], k, n, experts=e,
                      expected=lambda: routed_rows().expected(m.x))
-    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}")
+    shards = "" if sharded is None else f" per shard ({sharded.layout})"
+    if isinstance(plan, str) and shards:
+        plan += f" [K and N{shards}]"
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}{shards}")

@@ -21,6 +21,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from moepass.analysis.scopes import Scope, dataflow, graph_scopes
+from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
                            tensor_meta)
 from moepass.gemm_plan import apply_plan, plan_gemm
@@ -89,10 +90,17 @@ def _selects_experts(n: fx.Node) -> bool:
 
 
 def _is_residual_add(n: fx.Node, numel: int) -> bool:
+    """An add into the residual stream: at least the linear's size, or two same-shaped tensors (sequence
+    parallelism reduce-scatters a rowwise linear's output to 1/tp of its size before the residual add)."""
     is_add = (n.op == "call_function" and n.target in _ADD) or (n.op == "call_method" and n.target in ("add", "add_"))
     v = example_value(n)
+    if not is_add or not isinstance(v, torch.Tensor):
+        return False
     # numel may be unbacked (a linear on a torch.split chunk of .tolist() sizes): never guard on it
-    return is_add and isinstance(v, torch.Tensor) and guard_or_false(v.numel() >= numel)
+    operands = [tensor_meta(a) for a in n.args[:2]]
+    same_shaped = all(o is not None and o.dim() == v.dim() for o in operands) and all(
+        guard_or_false(a == b) for a, b in zip(operands[0].shape, operands[1].shape))
+    return same_shaped or guard_or_false(v.numel() >= numel)
 
 
 def _role(g, node: fx.Node, top: fx.Graph) -> str | None:
@@ -159,10 +167,15 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
 
 def _rewrite(m: LinearMatch, config, record) -> None:
     problem = _problem(m, config)
-    if problem:
-        record.skip(m.node, m.module, problem)
+    sharded = sharded_gemm("linear", [m.x, m.weight, m.bias]) if not problem else None
+    if problem or isinstance(sharded, str):
+        record.skip(m.node, m.module, problem or sharded)
         return
     x = tensor_meta(m.x)
-    n, k = tensor_meta(m.weight).shape
-    plan = plan_gemm(config, "linear", x.device, math.prod(x.shape[:-1]), k, n)
-    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.weight, m.bias), f"K={k} N={n}")
+    # under tensor parallelism each rank runs the GEMM on its shards: plan (alignment, speed) on their sizes
+    x_shape, (n, k) = (x.shape, tensor_meta(m.weight).shape) if sharded is None else sharded.local_shapes[:2]
+    plan = plan_gemm(config, "linear", x.device, math.prod(x_shape[:-1]), k, n)
+    shards = "" if sharded is None else f" per shard ({sharded.layout})"
+    if isinstance(plan, str) and shards:
+        plan += f" [K and N{shards}]"
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.weight, m.bias), f"K={k} N={n}{shards}")

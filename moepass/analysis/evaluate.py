@@ -18,6 +18,7 @@ from torch.fx.node import map_arg
 
 from moepass.graph import graph_order, tensor_meta, written_buffer
 from .collectives import is_autograd_function, is_collective
+from .dtensors import communication, is_local_view
 from .symbols import bound_symint, concrete_shape
 
 _LIKE_FUNCTIONS = {torch.zeros_like, torch.empty_like, torch.ones_like, torch.full_like, torch.rand_like,
@@ -80,6 +81,8 @@ def backward_slice(outputs: list[fx.Node], leaves: Iterable[fx.Node], forbidden:
         if n.op in ("placeholder", "call_module") or is_collective(n) or is_autograd_function(n) \
                 or isinstance(n.target, torch._ops.HigherOrderOperator):
             raise NotEvaluable(f"depends on {n.name} ({n.op} {n.target})")
+        if (why := communication(n)) is not None:  # DTensors are evaluated on local shards (analysis.dtensors)
+            raise NotEvaluable(why)
         needed.add(n)
         for a in n.all_input_nodes:
             if _reads_only_metadata(n, a) and concrete_shape(a, symbols) is not None:
@@ -105,6 +108,8 @@ def evaluate(gm: fx.GraphModule, outputs: list[fx.Node], leaf_values: dict, forb
             try:
                 if n.op == "placeholder":
                     value = bound_symint(n, symbols)
+                elif is_local_view(n):
+                    value = args[0]
                 elif n.op == "get_attr":
                     value = operator.attrgetter(n.target)(gm)
                 elif n.op == "call_method":

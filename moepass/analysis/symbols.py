@@ -15,6 +15,8 @@ from torch import fx
 
 from moepass.graph import example_value, tensor_meta
 
+from .dtensors import local_value
+
 SMALL = 8  # value given to each symbol of a dynamic token count (capped at the example's own)
 
 
@@ -28,7 +30,8 @@ def size_expr(size) -> sympy.Expr:
 
 
 def shape_exprs(node) -> tuple[sympy.Expr, ...] | None:
-    t = tensor_meta(node)
+    """The node's shape; a DTensor's is its local shard's (the EP analysis reads each rank's own data)."""
+    t = local_value(tensor_meta(node))
     return None if t is None else tuple(size_expr(s) for s in t.shape)
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from .gemm_args import check_bf16, check_offs
 from .grouped_wgrad_bf16 import as_transposed_layout
 from .op_recipe import OpRecipe, RecipeGemms, define_op, split_forward_args
+from .sharding import register_gemm_sharding
 
 
 def check_grouped(recipe: OpRecipe, op: str, name: str, tokens: Tensor, w_t: Tensor, offs: Tensor,
@@ -66,6 +67,8 @@ def define_grouped_mm_ops(recipe: OpRecipe, gemms: RecipeGemms) -> None:
               output=lambda g, x, offs, *args: as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1],
                                                                                 g.shape[1])))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
+    for gemm in ("grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad"):  # expert TP: DTensor runs them on shards
+        register_gemm_sharding(recipe.op(gemm).default, gemm, recipe.multiple)
 
 
 def _setup_context(ctx, inputs, output):

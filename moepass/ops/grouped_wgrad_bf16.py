@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .gemm_args import check_bf16, check_offs
+from .sharding import register_gemm_sharding
 
 
 def as_transposed_layout(t: Tensor) -> Tensor:
@@ -42,3 +43,7 @@ def grouped_mm_wgrad_bf16(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
 def _(grad_out, x, offs):
     _check(grad_out, x, offs)
     return as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1]))
+
+
+# torch._grouped_mm reads 16-byte-aligned rows: 8 bf16 elements
+register_gemm_sharding(grouped_mm_wgrad_bf16._opoverload, "grouped_mm_wgrad", 8)

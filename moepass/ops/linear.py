@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .gemm_args import check_bf16
 from .op_recipe import OpRecipe, RecipeGemms, define_op, split_forward_args
+from .sharding import register_gemm_sharding
 
 
 def _check_operands(recipe: OpRecipe, op: str, name: str, t: Tensor, weight: Tensor, args: tuple) -> None:
@@ -75,6 +76,8 @@ def define_linear_ops(recipe: OpRecipe, gemms: RecipeGemms) -> None:
               check=lambda g, x, *args: check_wgrad(recipe, g, x, args), compute=gemms.wgrad,
               output=lambda g, x, *args: x.new_empty(g.shape[-1], x.shape[-1]))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
+    for gemm in ("linear", "linear_dgrad", "linear_wgrad"):  # tensor parallelism: DTensor runs them on shards
+        register_gemm_sharding(recipe.op(gemm).default, gemm, recipe.multiple)
 
 
 def _setup_context(ctx, inputs, output):

@@ -51,8 +51,11 @@ def point_torchtitan_at_cpu() -> None:
 
 def model_config(flavor: str, *, dim: int = 64, moe_hidden_dim: int = 64, num_experts: int = 8,
                  n_layers: int = 1, n_dense_layers: int = 0, vocab_size: int = 128, max_seq_len: int = 64,
-                 force_load_balance: bool = False, spmd_backend: str = "spmd_types"):
-    """A tiny DeepSeekV3Model.Config from torchtitan's own layer builder, sharding set for EP."""
+                 force_load_balance: bool = False, spmd_backend: str = "spmd_types", head_dim: int = 16,
+                 top_k: int | None = None, parallelism: dict | None = None):
+    """A tiny DeepSeekV3Model.Config from torchtitan's own layer builder, its sharding set by torchtitan for
+    `parallelism` (ParallelismConfig fields; default EP=2). head_dim sets the MLA nope, rope and value head dims;
+    top_k overrides the flavor's (top_k = num_experts: no rounding difference can flip a token's experts)."""
     from torchtitan.config import ParallelismConfig
     from torchtitan.models import deepseek_v3 as dsv3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -60,15 +63,15 @@ def model_config(flavor: str, *, dim: int = 64, moe_hidden_dim: int = 64, num_ex
 
     if flavor not in ROUTING:
         raise ValueError(f"flavor {flavor!r}: expected one of {FLAVORS}")
-    rope_dim = 16
+    rope_dim = head_dim
     layers = dsv3._build_dsv3_layers(
         n_layers=n_layers, n_dense_layers=n_dense_layers, dim=dim, n_heads=2, q_lora_rank=0,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=16, mscale=0.70,
+        kv_lora_rank=32, qk_nope_head_dim=head_dim, qk_rope_head_dim=rope_dim, v_head_dim=head_dim, mscale=0.70,
         dense_hidden_dim=2 * dim, moe_hidden_dim=moe_hidden_dim, num_experts=num_experts,
         attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=max_seq_len, theta=10000.0, scaling="yarn",
                                 rope_factor=40.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=max_seq_len),
-        **ROUTING[flavor],
+        **{**ROUTING[flavor], **({"router_top_k": top_k} if top_k else {})},
     )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -82,7 +85,8 @@ def model_config(flavor: str, *, dim: int = 64, moe_hidden_dim: int = 64, num_ex
         lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=dsv3._output_linear_init(dim)),
         layers=layers, mtp_layers=[],
     )
-    parallelism = ParallelismConfig(expert_parallel_degree=EP_DEGREE, spmd_backend=spmd_backend)
+    parallelism = ParallelismConfig(**{"expert_parallel_degree": EP_DEGREE, "spmd_backend": spmd_backend,
+                                       **(parallelism or {})})
     cfg.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     return cfg, parallelism
 
@@ -121,6 +125,7 @@ class TitanEP:
 
 
 def _build(flavor: str, *, seed: int, dtype: torch.dtype, spmd_backend: str, seq_len: int, sizes: dict):
+    """The model built whole on this rank (not parallelized yet), its ParallelDims with meshes, its config."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.tools.utils import set_default_dtype
@@ -156,6 +161,39 @@ def build_moe(flavor: str, *, seed: int = 0, ac: str = "none", spmd_backend: str
     if policy is not None:
         policy.build(dump_folder="").apply(model)
     return TitanEP(model, parallel_dims, flavor, ac, False, seq_len, model.config.vocab_size)
+
+
+def build_parallel(flavor: str, *, tp: int = 1, ep: int = 1, sp: bool = True, fsdp: bool = False, ac: str = "none",
+                   seed: int = 0, spmd_backend: str = "partial_dtensor", seq_len: int = 16,
+                   dtype: torch.dtype | None = None, **sizes) -> TitanEP:
+    """torchtitan's own parallelization at any of its degrees: TP (torchtitan's colwise/rowwise plans, sequence
+    parallel when `sp`), EP, FSDP2 over the ranks left (`fsdp`: torchtitan's whole parallelize_deepseekv3, fp32
+    master weights and bf16 compute), and AC. tp=ep=1 without fsdp is the same model unsharded on every rank.
+
+    spmd_backend "partial_dtensor" puts DTensors in the graphs (parallelize_module's layouts); torchtitan's default
+    "spmd_types" runs TP on plain local tensors with explicit collectives."""
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+
+    degrees = {"tensor_parallel_degree": tp, "expert_parallel_degree": ep, "enable_sequence_parallel": sp}
+    if not fsdp:
+        degrees["data_parallel_shard_degree"] = dist.get_world_size() // tp if tp > 1 or ep > 1 else -1
+    dtype = dtype or (torch.float32 if fsdp else torch.bfloat16)  # FSDP2: fp32 master weights, bf16 compute
+    model, parallel_dims, parallelism = _build(flavor, seed=seed, dtype=dtype,
+                                               spmd_backend=spmd_backend, seq_len=seq_len,
+                                               sizes=dict(sizes, parallelism=degrees))
+    if fsdp:
+        model = parallelize_deepseekv3(
+            model, parallel_dims=parallel_dims, training=TrainingConfig(), parallelism=parallelism,
+            compile_config=CompileConfig(enable=False), ac_config=ac_config(ac), dump_folder="")
+        allow_gloo_reduce_scatter(model)
+    else:
+        if tp > 1 or ep > 1:
+            model.parallelize(parallel_dims)
+        policy = ac_config(ac)
+        if policy is not None:
+            policy.build(dump_folder="").apply(model)
+    return TitanEP(model, parallel_dims, flavor, ac, fsdp, seq_len, model.config.vocab_size)
 
 
 def fsdp_per_block(flavor: str, *, seed: int = 0, ac: str = "none", spmd_backend: str = "partial_dtensor",
@@ -199,9 +237,15 @@ def compile_blocks(titan: TitanEP, backend: str | Callable, options: dict | None
         block.compile(backend=backend, fullgraph=True, **kwargs)
 
 
+def data_rank(titan: TitanEP) -> int:
+    """This rank's data-parallel index: ranks of one tensor-parallel group (torchtitan's innermost mesh dim) see the
+    same batch."""
+    return dist.get_rank() // titan.parallel_dims.tp
+
+
 def example_batch(titan: TitanEP, *, seed: int = 1, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and labels that differ per rank (each rank is its own data-parallel shard)."""
-    generator = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    """Tokens and labels that differ per data-parallel rank."""
+    generator = torch.Generator().manual_seed(seed * 1000 + data_rank(titan))
     tokens = torch.randint(0, titan.vocab_size, (batch, titan.seq_len), generator=generator)
     labels = torch.randint(0, titan.vocab_size, (batch, titan.seq_len), generator=generator)
     return tokens, labels
@@ -239,6 +283,59 @@ def forward_backward(titan: TitanEP, tokens: torch.Tensor, labels: torch.Tensor)
     return StepResult(_local(logits).detach().float().clone(), loss.detach().clone(), grads)
 
 
+class _GatherShards(torch.autograd.Function):
+    """All-gather a tensor-parallel shard along `dim`; the gradient is this rank's slice (every rank of the group
+    computes the same loss from the whole, so summing the ranks' gradients, as all_gather's backward does, would
+    count it tp times)."""
+
+    @staticmethod
+    def forward(ctx, t, dim, group):
+        ctx.dim, ctx.rank, ctx.size = dim, dist.get_rank(group), t.shape[dim]
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.rank * ctx.size, ctx.size), None, None
+
+
+def _gathered(t: torch.Tensor, full_shape: torch.Size, group) -> torch.Tensor:
+    """A tensor-parallel shard (a DTensor, or under spmd_types a plain local tensor) as the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    if t.shape == full_shape:
+        return t
+    (dim,) = [d for d, (a, b) in enumerate(zip(t.shape, full_shape)) if a != b]  # the one dim TP split
+    return _GatherShards.apply(t, dim, group)
+
+
+def full_step(titan: TitanEP, tokens: torch.Tensor, labels: torch.Tensor, param_shapes: dict) -> StepResult:
+    """forward_backward with every sharded value made whole: logits (vocab-parallel under TP), and each
+    parameter's gradient shaped as in `param_shapes` (the unsharded model's)."""
+    group = titan.parallel_dims.get_mesh("tp").get_group() if titan.parallel_dims.tp_enabled else None
+    titan.model.zero_grad(set_to_none=True)
+    with titan.context():
+        logits = titan.model(tokens)
+        if group is not None:
+            logits = _gathered(logits, (*logits.shape[:-1], titan.vocab_size), group)
+        logits = _local(logits)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+    grads = {}
+    for name, p in titan.model.named_parameters():
+        if p.grad is not None:
+            name = _plain_name(name)
+            grad = _gathered(p.grad, param_shapes[name], group).detach().float().clone()
+            if group is not None and type(p.grad) is torch.Tensor and p.grad.shape == param_shapes[name]:
+                # spmd_types leaves a replicated weight's gradient as each rank's partial sum (its own tokens)
+                dist.all_reduce(grad, group=group)
+            grads[name] = grad
+    return StepResult(logits.detach().float().clone(), loss.detach().clone(), grads)
+
+
 def train_steps(titan: TitanEP, backend: str | Callable | None, options: dict | None = None, *,
                 steps: int = 2, lr: float = 1e-2, seed: int = 1) -> list[StepResult]:
     """Compile each block with `backend`, then `steps` SGD steps on fresh batches.
@@ -259,6 +356,6 @@ def train_steps(titan: TitanEP, backend: str | Callable | None, options: dict | 
     return results
 
 
-__all__ = ["FLAVORS", "AC_KINDS", "TitanEP", "StepResult", "build_moe", "fsdp_per_block", "compile_blocks",
-           "example_batch", "forward_backward", "train_steps", "model_config", "ac_config",
+__all__ = ["FLAVORS", "AC_KINDS", "TitanEP", "StepResult", "build_moe", "build_parallel", "fsdp_per_block",
+           "compile_blocks", "example_batch", "forward_backward", "full_step", "train_steps", "model_config", "ac_config",
            "point_torchtitan_at_cpu", "allow_gloo_reduce_scatter"]
