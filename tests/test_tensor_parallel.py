@@ -262,12 +262,27 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _summed_over_data_parallel(titan, result):
+    """The unsharded reference's gradients as FSDP2 reduces them: summed over the data-parallel ranks (those with
+    this rank's tensor-parallel index; torchtitan's gradient divide factor is 1, gloo gets SUM)."""
+    tp, world = titan.parallel_dims.tp, dist.get_world_size()
+    groups = [dist.new_group(list(range(i, world, tp))) for i in range(tp)]  # every rank joins every new_group
+    group = groups[dist.get_rank() % tp]
+    grads = {}
+    for name, g in result.grads.items():
+        grads[name] = g.clone()
+        dist.all_reduce(grads[name], group=group)
+    return type(result)(result.output, result.loss, grads)
+
+
 def check_torchtitan_tp_matches_unsharded(rank, world_size, case: dict):
     tt = _titan()
     titan = tt.build_parallel("16B-like", **SIZES, **case)
     batch = tt.example_batch(titan)  # the same on the ranks of a tensor-parallel group
     (ref, ref_report), (nudged, _) = _reference(case.get("spmd_backend", "partial_dtensor"), case.get("fsdp", False),
                                                 batch)
+    if case.get("fsdp"):
+        ref, nudged = _summed_over_data_parallel(titan, ref), _summed_over_data_parallel(titan, nudged)
     got, report = _moepass_step(titan, batch, param_shapes={name: g.shape for name, g in ref.grads.items()})
     counts, ref_counts = _counts(report), _counts(ref_report)
     if case.get("ep", 1) > 1:  # an EP region exists only with EP: it is replaced, nothing else is left alone
@@ -299,6 +314,11 @@ TITAN_CASES = [
     _case("ep_tp", EXTENDED, tp=2, ep=2),
     _case("ep_tp_full_ac", EXTENDED, tp=2, ep=2, ac="full"),
     _case("tp_spmd_types_selective_ac", EXTENDED, tp=2, spmd_backend="spmd_types", ac="selective"),
+    # 4 ranks: FSDP2 over 2 data-parallel ranks x TP 2, as torchtitan's parallelize_deepseekv3 builds it
+    _case("fsdp_tp", EXTENDED, world_size=4, tp=2, fsdp=True),
+    _case("fsdp_tp_selective_ac", EXTENDED, world_size=4, tp=2, fsdp=True, ac="selective"),
+    _case("ep_fsdp_tp", EXTENDED, world_size=4, tp=2, ep=2, fsdp=True),
+    _case("ep_fsdp_tp_full_ac", EXTENDED, world_size=4, tp=2, ep=2, fsdp=True, ac="full"),
 ]
 
 

@@ -18,6 +18,10 @@ or tokens) are the same blocks as unsharded when each shard's size is a multiple
 requires (is_valid_strategy_cb below; the passes check it first and leave such a GEMM in BF16 with the reason).
 FP8-rowwise scales of a K-sharded (rowwise) GEMM are per row of each shard: a row's amax over K/tp elements,
 never coarser than unsharded. A Partial operand is quantized per rank's summand.
+
+No other moepass op sees a DTensor: the FP8-rowwise quantize ops are emitted by Inductor decompositions, which run
+below DTensor's dispatch on local tensors, and the deepep pass hands the EP ops each rank's local shard
+(`to_local`, moepass.analysis.dtensors), as DeepEP itself takes it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""Where a cold torch.compile of one training step spends its time, per variant, side by side.
+
+    python examples/profile_compile.py --device cuda --flavor 671B --layers 5 \\
+        --model-overrides '{"n_dense_layers": 1, "n_routed_experts": 32}' --batch 4 --seq 4096 \\
+        --variants inductor,all --out examples/results/compile_time_h200.json
+
+Each variant runs in its own child process with empty Inductor and Triton cache directories (a cold compile, as a
+new training job sees it), compiles the model and its loss as one graph (as `moepass bench` does), and runs one
+forward+backward. It reports the first step's wall time, a step after it, and torch's own compile-phase timers
+(`torch._dynamo.utils.compile_times`: Dynamo tracing, AOTAutograd, Inductor lowering and code generation, waits
+for Triton's parallel kernel compilation, autotuning), moepass's passes (their report's ms), and the number of
+kernels Inductor generated. The ratio of compile times is the figure; the phases say where the difference is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+PHASES = 40  # torch's timers kept per variant, the longest first
+
+
+def _child(args) -> dict:
+    """One variant, in this (fresh) process: compile and run one step, then a second; report the timings."""
+    import torch._dynamo.utils as dynamo_utils
+    from torch._inductor import metrics
+
+    import moepass
+    from moepass.harness.model_spec import ModelSpec
+    from moepass.harness.train import with_loss
+    from moepass.harness.variants import resolve_variants
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    device = torch.device(args.device)
+    (variant,) = resolve_variants([args.variant], json.loads(args.options) if args.options else None)
+    model = ModelSpec(args.flavor, {"n_layers": args.layers, **json.loads(args.model_overrides)}).build(0, device)
+    step = variant.compile(with_loss(model))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    vocab = model.output.out_features
+    batch = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(2)]
+    times = []
+    with moepass.collecting() as report:
+        for _ in range(2):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(*batch).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    phases = []
+    for name, values in dynamo_utils.compilation_time_metrics.items():
+        phases.append({"phase": name, "calls": len(values), "s": round(sum(values), 3)})
+    phases.sort(key=lambda p: -p["s"])
+    passes = {p.name: round(p.ms / 1e3, 3) for p in report.pass_totals()} if variant.backend == "moepass" else {}
+    return {"variant": variant.name, "first_step_s": round(times[0], 3), "second_step_s": round(times[1], 3),
+            "compile_s": round(times[0] - times[1], 3), "moepass_passes_s": passes,
+            "kernels_generated": metrics.generated_kernel_count, "phases": phases[:PHASES]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--flavor", default="debug")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model-overrides", default="{}")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--variants", default="inductor,all")
+    p.add_argument("--options", default=None, help="moepass options (JSON) for the moepass variants")
+    p.add_argument("--out", default=None)
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child process
+    args = p.parse_args()
+    if args.variant:
+        print("RESULT " + json.dumps(_child(args)), flush=True)
+        return
+    results = []
+    for name in args.variants.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
+                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", name], env=env,
+                                   capture_output=True, text=True)
+        lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+        if child.returncode or not lines:
+            print(child.stdout[-3000:], child.stderr[-5000:], file=sys.stderr)
+            results.append({"variant": name, "error": (child.stderr or child.stdout)[-2000:]})
+            continue
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+        r = results[-1]
+        print(f"{name:>12}: compile {r['compile_s']:7.1f} s (first step {r['first_step_s']:.1f} s, next "
+              f"{r['second_step_s']:.2f} s), {r['kernels_generated']} kernels, passes {r['moepass_passes_s']}", flush=True)
+        for phase in r["phases"][:12]:
+            print(f"{'':>14}{phase['s']:9.2f} s  {phase['calls']:>4}x  {phase['phase']}")
+    base = next((r for r in results if r.get("variant") == "inductor" and "compile_s" in r), None)
+    for r in results:
+        if base and "compile_s" in r:
+            r["compile_vs_inductor"] = round(r["compile_s"] / base["compile_s"], 3)
+            print(f"{r['variant']:>12}: compile time {r['compile_vs_inductor']:.2f}x Inductor's")
+    if args.out:
+        from moepass.harness.provenance import provenance
+
+        out = {**provenance("moepass.profile_compile/1", torch.device(args.device), 1),
+               "command": shlex.join([sys.executable, *sys.argv]), "results": results}
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
