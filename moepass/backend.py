@@ -52,16 +52,18 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
 
     record = run_pipeline(gm, example_inputs, config)
     report = collect.current_report(config, _compile_call())
-    report.add_graph(record)
-    log.info("%s", report.summary())
-    if config["report_dir"]:
-        report.save(config["report_dir"])
+    held = report.add_graph(record)
+    if log.isEnabledFor(logging.INFO):  # the summary covers every graph of the report: not built unless shown
+        log.info("%s", report.summary())
+    collect.save_graph(report, held)  # to every report_dir of the report; never raises
     if not config["inductor"]:  # the custom ops carry their own autograd, so eager training works too
         return collect.reporting_runs(gm.forward, record)
     from torch._inductor.compile_fx import compile_fx
 
-    # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid
-    audit = CompiledGraphAudit(record.compiled, variant=decomposition_variant(config))
+    # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid; each
+    # compiled graph (the forward now, the backward at the first backward) saves the report again
+    audit = CompiledGraphAudit(record.compiled, variant=decomposition_variant(config),
+                               on_compiled=lambda: collect.save_graph(report, held))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
     patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
                "joint_custom_pre_pass": SaveEPExchanges()}

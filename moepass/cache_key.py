@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import pathlib
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+
+log = logging.getLogger(__name__)
 
 NOT_HASHED = ("harness",)  # folders under a root whose code never reaches a compiled graph
 
@@ -78,11 +82,13 @@ def decomposition_variant(config) -> str:
 
 
 class CompiledGraphAudit(CustomGraphPass):
-    """Records the moepass ops (and plain GEMMs) of each compiled graph into `sink`."""
+    """Records the moepass ops (and plain GEMMs) of each compiled graph into `sink`, then calls `on_compiled`
+    (the backend saves the report again: the backward graph compiles long after the backend returned)."""
 
-    def __init__(self, sink: list | None = None, variant: str = ""):
+    def __init__(self, sink: list | None = None, variant: str = "", on_compiled: Callable[[], None] | None = None):
         self.sink = sink if sink is not None else []
         self.variant = variant  # what else shapes the compiled code (the decomposition table's options)
+        self.on_compiled = on_compiled
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         ops = Counter()
@@ -93,6 +99,11 @@ class CompiledGraphAudit(CustomGraphPass):
                 if t.namespace in ("moepass", "_c10d_functional") or t._opname in GEMMS:
                     ops[f"{t.namespace}.{t._opname}"] += 1
         self.sink.append({"kind": graph_kind(graph), "ops": dict(sorted(ops.items()))})
+        if self.on_compiled is not None:
+            try:
+                self.on_compiled()
+            except Exception as e:  # a report is never worth failing a compile over
+                log.warning("moepass: reporting a compiled graph failed (%s: %s)", type(e).__name__, e)
 
     def uuid(self) -> str:
         return f"moepass-{source_hash()}" + (f"-{self.variant}" if self.variant else "")

@@ -1,45 +1,123 @@
-"""Where the backend's records go: the innermost `collecting()` report, else the report of the torch.compile
-call being compiled (`last_report()`: the latest such call's graphs; `torch._dynamo.reset()` clears it)."""
+"""Where the backend's records go: the innermost `collecting()` report, else the run's report.
+
+The run is every graph moepass compiled in this process since the last `torch._dynamo.reset()` (or since
+import), whatever torch.compile call compiled it: one call on a whole model, or torchtitan's call per
+transformer block and another for the loss. Its report groups the graphs by compile call, and keeps each call's
+options; `last_report()` returns it, and every `report_dir` one of its calls named holds all of it.
+`torch._dynamo.reset()` ends the run (what it described was compiled away); `collecting()` takes the graphs
+compiled inside it into a report of its own instead. The run's graph breaks are Dynamo's count since it began.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 
 from torch._dynamo.utils import counters
 
-from .report import Report
+from .report import GraphOrigin, GraphRecord, Report
+
+log = logging.getLogger(__name__)
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graph breaks Dynamo split a frame at, frames it gave up on and ran in eager) so far in this process.
+    A graph break it cannot split at (inside an activation-checkpointed layer, in a loop) skips the frame: its
+    GEMMs never reach moepass and stay BF16, and `counters["graph_break"]` does not count it."""
+    frames = counters["frames"]
+    return sum(counters["graph_break"].values()), frames["total"] - frames["ok"]
+
 
 _stack: list[Report] = []
-_last: Report | None = None
-_last_compile_call: object = None
+_run: Report | None = None  # the run's report
+_last: Report | None = None  # what last_report() returns outside collecting(): the run, or a collecting() report
+_breaks_at_start = dynamo_counts()[0]  # the run begins at import, and again at each torch._dynamo.reset()
 
 
 def current_report(config, compile_call=None) -> Report:
-    """The report a graph compiled now belongs to. `compile_call` identifies the torch.compile call (its
-    backend wrapper) so that graphs of one compiled model gather in one report and another model's or another
-    compile's graphs start a new one; None when unknown (then equal options mean the same report)."""
-    global _last, _last_compile_call
+    """The report a graph compiled now belongs to, told where that graph comes from. `compile_call`
+    identifies the torch.compile call (its backend wrapper), so that the report groups graphs by call; None when
+    unknown (those graphs form one group)."""
+    global _run, _last
     if _stack:
-        if not _stack[-1].config:
-            _stack[-1].config = config.to_dict()
-        return _stack[-1]
-    same_call = compile_call is _last_compile_call if compile_call is not None else \
-        _last is not None and _last.config == config.to_dict()
-    if _last is None or not same_call:
-        _last, _last_compile_call = Report(config.to_dict()), compile_call
-    return _last
+        report = _stack[-1]
+        if not report.config:
+            report.config = config.to_dict()
+    else:
+        if _run is None:
+            _run = Report(config.to_dict())  # the run's options are its first call's; index() shows the others'
+        report = _last = _counted(_run)
+        _end_at_dynamo_reset()
+    report.expect(GraphOrigin(compile_call, config.to_dict(), *_dynamo_frame()))
+    return report
+
+
+def _dynamo_frame() -> tuple[str, str]:
+    """(Dynamo's compile id, "function (file:line)" of the frame it traced), or blanks outside a Dynamo trace."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+        code = InstructionTranslator.current_tx().f_code
+        frame = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+        return (str(compile_id) if compile_id is not None else ""), frame
+    except Exception:  # internal APIs: a label is not worth failing a compile over
+        return "", ""
+
+
+def save_graph(report: Report, graph: GraphRecord) -> None:
+    """Write `graph`'s files and the report's totals to every report_dir its compile calls named. A problem
+    writing is a warning: a report never fails a compile."""
+    for directory in report.report_dirs():
+        try:
+            report.save(directory, changed=[graph])
+        except Exception as e:
+            log.warning("moepass: could not write the report to %s (%s: %s); compiling on", directory,
+                        type(e).__name__, e)
 
 
 def forget() -> None:
-    """Drop the process-wide report (Dynamo's reset calls this: what it described was compiled away)."""
-    global _last, _last_compile_call
-    _last, _last_compile_call = None, None
+    """End the run (Dynamo's reset calls this: what it described was compiled away)."""
+    global _run, _last, _breaks_at_start
+    _run, _last, _breaks_at_start = None, None, dynamo_counts()[0]
+
+
+class _RunEnd:
+    """Held among Dynamo's backends so that every torch._dynamo.reset() ends the run."""
+
+    def reset(self) -> None:
+        forget()
+
+
+_RUN_END = _RunEnd()
+
+
+def _end_at_dynamo_reset() -> None:
+    """torch._dynamo.reset() calls reset() on the backends it holds, but holds a compile call's backend only
+    from its torch.compile() to the next reset: a model compiled before an earlier reset would not end the run."""
+    from torch._dynamo import eval_frame
+
+    held = getattr(eval_frame, "cached_backends", None)  # internal (torch 2.11-2.13): without it, forget() is all
+    if held is not None:
+        held.setdefault(id(_RUN_END), _RUN_END)
+
+
+def _counted(run: Report) -> Report:
+    """The run with the graph breaks Dynamo split frames at since it began (any backend's). Frames run eagerly
+    are counted by `collecting()` only: mid-compile, Dynamo's count holds the frame being compiled."""
+    run.graph_breaks = dynamo_counts()[0] - _breaks_at_start
+    return run
 
 
 def last_report() -> Report | None:
-    """The report of the most recent torch.compile(..., backend="moepass") call's graphs, or the innermost
-    `collecting()` report (None before any)."""
-    return _stack[-1] if _stack else _last
+    """The innermost `collecting()` report; else the run's report (every graph since the last
+    `torch._dynamo.reset()`), or the `collecting()` report that ended after the run's latest graph; None
+    before any."""
+    if _stack:
+        return _stack[-1]
+    return _counted(_last) if _last is not None and _last is _run else _last
 
 
 def reporting_runs(compiled_fn, record):
@@ -53,14 +131,6 @@ def reporting_runs(compiled_fn, record):
 
     run._boxed_call = getattr(compiled_fn, "_boxed_call", False)  # keep Dynamo's calling convention
     return run
-
-
-def dynamo_counts() -> tuple[int, int]:
-    """(graph breaks Dynamo split a frame at, frames it gave up on and ran in eager) so far in this process.
-    A graph break it cannot split at (inside an activation-checkpointed layer, in a loop) skips the frame: its
-    GEMMs never reach moepass and stay BF16, and `counters["graph_break"]` does not count it."""
-    frames = counters["frames"]
-    return sum(counters["graph_break"].values()), frames["total"] - frames["ok"]
 
 
 @contextlib.contextmanager

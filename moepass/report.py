@@ -1,17 +1,15 @@
 """What the passes did: per pass, per graph, with reasons for every node left alone.
 
-A `Report` collects one `GraphRecord` per graph the backend compiled. `to_dict()` is the
-stable schema of DESIGN.md; `save(dir)` writes report.json, the readable code of every graph
-before and after each pass, and one self-contained HTML page.
+A `Report` collects one `GraphRecord` per graph the backend compiled, each tagged with the torch.compile
+call it came from (torchtitan compiles every block, and the loss, in a call of its own). `to_dict()` is the
+stable schema of DESIGN.md (totals over the graphs); `index()` is one line per graph and the totals per pass;
+`save(dir)` writes both, each graph's own report and its code before and after each pass (report_files.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
-import html
-import json
 import os
 from collections import Counter
 
@@ -63,6 +61,15 @@ class PassRecord:
         self.skipped.append(Skip(self._name(node), module, reason))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class GraphOrigin:
+    """Where a graph came from: its torch.compile call, that call's options, and what Dynamo traced."""
+    call: object = None  # torch's per-call backend wrapper (compared by identity); None when unknown
+    config: dict = dataclasses.field(default_factory=dict)  # the call's options (Config.to_dict()); {}: unknown
+    compile_id: str = ""  # Dynamo's "<frame>/<recompile>": "0/1" is frame 0's second graph (another block)
+    frame: str = ""  # the function Dynamo traced: "forward (deepseek_v3.py:33)"
+
+
 @dataclasses.dataclass(eq=False)
 class GraphRecord:
     index: int
@@ -74,6 +81,26 @@ class GraphRecord:
     # one entry per post-grad graph Inductor compiled from it: {"kind": "forward"|"backward", "ops": {...}}
     compiled: list[dict] = dataclasses.field(default_factory=list)
     replayed: bool = False  # run from Dynamo's cache: compiled before the report that holds it began
+    origin: GraphOrigin = dataclasses.field(default_factory=GraphOrigin)
+    compile_call: int = 0  # which of its report's torch.compile calls (numbered in the order first seen)
+
+    @property
+    def module(self) -> str:
+        """The deepest module holding every node a pass rewrote or left alone ("layers.1"; "" if none or the
+        whole model)."""
+        paths = [r.module.split(".") for p in self.passes for r in (*p.rewrites, *p.skipped) if r.module]
+        return ".".join(os.path.commonprefix(paths)) if paths else ""
+
+    def line(self) -> dict:
+        """This graph's line of the index: where it came from and what each pass did to it."""
+        return {"graph": self.index, "compile_call": self.compile_call, "compile_id": self.origin.compile_id,
+                "frame": self.origin.frame, "module": self.module, "replayed": self.replayed,
+                "replaced": {p.name: len(p.rewrites) for p in self.passes},
+                "skipped": {p.name: len(p.skipped) for p in self.passes},
+                "compiled": [c["kind"] for c in self.compiled], "files": f"graphs/{self.index}"}
+
+    def where(self) -> str:
+        return self.module or self.origin.frame or f"graph {self.index}"
 
 
 class Report:
@@ -82,24 +109,56 @@ class Report:
         self.graphs: list[GraphRecord] = []
         self.graph_breaks = 0
         self.frames_eager = 0  # frames Dynamo gave up on: run in eager, never rewritten (collect.dynamo_counts)
-        self._sources: set[int] = set()  # ids of the backend's records already held
+        # id of a backend's record -> (that record, held so that its id stays its own; this report's copy)
+        self._sources: dict[int, tuple[GraphRecord, GraphRecord]] = {}
+        self._calls: list[object] = []  # the torch.compile calls seen, in order (GraphOrigin.call)
+        self._next_origin = GraphOrigin()  # where the graph added next comes from (collect.current_report)
+        self.saved_dirs: set[str] = set()  # directories this report has written in full (report_files.save)
 
-    def add_graph(self, record: GraphRecord, replayed: bool = False) -> None:
-        """Hold one compiled graph's record (a copy: its index is this report's). A graph Dynamo serves
-        from its cache is added when it runs (`replayed`), once."""
+    def expect(self, origin: GraphOrigin) -> None:
+        """Say where the next graph `add_graph` gets comes from (its compile call, options and frame)."""
+        self._next_origin = origin
+
+    def add_graph(self, record: GraphRecord, replayed: bool = False) -> GraphRecord:
+        """Hold one compiled graph's record (a copy: its index is this report's) and return the copy. A graph
+        Dynamo serves from its cache is added when it runs (`replayed`), once, with the origin it was compiled
+        with."""
         if id(record) in self._sources:
-            return
-        self._sources.add(id(record))
-        self.graphs.append(dataclasses.replace(record, index=len(self.graphs), replayed=replayed))
+            return self._sources[id(record)][1]
+        if not replayed and not record.origin.config:
+            record.origin = self._next_origin  # on the backend's record too: a later replay keeps its origin
+        if not any(call is record.origin.call for call in self._calls):
+            self._calls.append(record.origin.call)
+        call = next(i for i, c in enumerate(self._calls) if c is record.origin.call)
+        held = dataclasses.replace(record, index=len(self.graphs), replayed=replayed, compile_call=call)
+        self._sources[id(record)] = (record, held)
+        self.graphs.append(held)
+        return held
+
+    @property
+    def compile_calls(self) -> int:
+        return len(self._calls)
 
     @property
     def compiled(self) -> list[dict]:
-        """The post-grad graphs Inductor compiled from this report's graphs (forward, then backward when run)."""
-        return [c for g in self.graphs for c in g.compiled]
+        """The post-grad graphs Inductor compiled from this report's graphs (forward, then backward when run),
+        each with the index of the graph it came from."""
+        return [{**c, "graph": g.index} for g in self.graphs for c in g.compiled]
 
     @property
     def replayed(self) -> int:
         return sum(g.replayed for g in self.graphs)
+
+    def report_dirs(self) -> list[str]:
+        """The `report_dir`s its compile calls named, in order: each shows every graph of the report."""
+        dirs = [g.origin.config.get("report_dir") for g in self.graphs]
+        return list(dict.fromkeys(d for d in dirs if d))
+
+    def only(self, graph: GraphRecord) -> Report:
+        """A report of one of this report's graphs (keeping its index): that graph's own report."""
+        single = Report(graph.origin.config or self.config)
+        single.graphs, single._calls = [graph], [graph.origin.call]
+        return single
 
     def pass_totals(self) -> list[PassRecord]:
         """Each pass's records merged over all graphs, in pipeline order."""
@@ -141,13 +200,36 @@ class Report:
             "ops_after": dict(sorted(self.ops_after().items())),
             "compiled_graphs": self.compiled,
             "config": self.config,
+            "compile_calls": self.compile_calls,
+            "per_graph": [g.line() for g in self.graphs],
         }
 
-    def summary(self) -> str:
-        """A terminal table: one row per pass, then every skipped node with its reason."""
+    def index(self) -> dict:
+        """Totals per pass (replaced and skipped counts, summed over the graphs), one line per graph, and the
+        graphs of each torch.compile call with the options where they differ from the report's."""
+        calls = []
+        for i, call in enumerate(self._calls):
+            graphs = [g for g in self.graphs if g.compile_call == i]
+            config = graphs[0].origin.config if graphs else {}
+            calls.append({"compile_call": i, "graphs": [g.index for g in graphs],
+                          "options_differing": {k: v for k, v in config.items() if self.config.get(k) != v}})
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "totals": {p.name: {"replaced": len(p.rewrites), "skipped": len(p.skipped)} for p in self.pass_totals()},
+            "graphs": [g.line() for g in self.graphs],
+            "compile_calls": calls,
+            "graph_breaks": self.graph_breaks,
+            "frames_run_eagerly": self.frames_eager,
+            "replayed_graphs": self.replayed,
+        }
+
+    def summary(self, max_graphs: int = 20) -> str:
+        """A terminal table: one row per pass (totals), one row per graph when there are several, then every
+        skipped node with its reason."""
         replayed = (f" ({self.replayed} served from Dynamo's cache, compiled before this report began; their "
                     "graph breaks were counted then)") if self.replayed else ""
-        lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){replayed}",
+        calls = f", {self.compile_calls} torch.compile calls" if self.compile_calls > 1 else ""
+        lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){calls}{replayed}",
                  f"{'pass':<18} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation"]
         if self.frames_eager:
             lines.insert(1, f"warning: {self.frames_eager} frame(s) fell back to eager (graph breaks Dynamo could not "
@@ -156,6 +238,8 @@ class Report:
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"
             lines.append(f"{p.name:<18} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")
+        if len(self.graphs) > 1:
+            lines += self._graph_rows(max_graphs)
         groups: dict[tuple[str, str], list[str]] = {}
         for p in self.pass_totals():
             for s in p.skipped:
@@ -167,80 +251,28 @@ class Report:
                 lines.append(f"  [{name}] {shown}: {reason}")
         return "\n".join(lines)
 
-    def save(self, directory: str) -> str:
-        """Write report.json, graph_<i>_<stage>.py and report.html; return the HTML path."""
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "report.json"), "w") as f:
-            json.dump(self.to_dict(), f, indent=2, default=str)
-        for g in self.graphs:
-            _write(os.path.join(directory, f"graph_{g.index}_0_before.py"), g.code_before)
-            for i, (name, code) in enumerate(g.code_after.items(), start=1):
-                _write(os.path.join(directory, f"graph_{g.index}_{i}_after_{name}.py"), code)
-        path = os.path.join(directory, "report.html")
-        _write(path, self.to_html())
-        return path
+    def _graph_rows(self, max_graphs: int) -> list[str]:
+        width = min(40, max(len(g.where()) for g in self.graphs))
+        rows = [f"{'graph':>5} {'call':>4}  {'where':<{width}}  {'skipped':>7}  replaced; compiled by Inductor"]
+        for g in self.graphs[:max_graphs]:
+            replaced = ", ".join(f"{p.name} {len(p.rewrites)}" for p in g.passes if p.rewrites) or "nothing"
+            compiled = "+".join(c["kind"] for c in g.compiled) or "-"
+            rows.append(f"{g.index:>5} {g.compile_call:>4}  {g.where()[:width]:<{width}}  "
+                        f"{sum(len(p.skipped) for p in g.passes):>7}  {replaced}; {compiled}")
+        if len(self.graphs) > max_graphs:
+            rows.append(f"  ... and {len(self.graphs) - max_graphs} more graph(s): Report.index() or index.json "
+                        "in report_dir lists every one")
+        return rows
+
+    def save(self, directory: str, changed: list[GraphRecord] | None = None) -> str:
+        """Write report.json (totals), index.json, report.html and each graph's own report (graphs/<i>/) and
+        code (graph_<i>_<stage>.py); return the HTML path. `changed`: only these graphs' files are rewritten
+        where this report saved every graph before (the totals always are)."""
+        from .report_files import save
+
+        return save(self, directory, changed)
 
     def to_html(self) -> str:
-        d = self.to_dict()
-        e = html.escape
-        out = [f"<!doctype html><html><head><meta charset='utf-8'><title>moepass report</title>"
-               f"<style>{_CSS}</style></head><body>",
-               f"<h1>moepass report</h1><p>{d['graphs']} graph(s) compiled, "
-               f"{d['graph_breaks']} graph break(s).</p>",
-               "<h2>Passes</h2><table><tr><th>pass</th><th>replaced</th><th>skipped</th><th>ms</th>"
-               "<th>implementation (why)</th></tr>"]
-        for p in d["passes"]:
-            impl = "<br>".join(f"<b>{e(k)}</b>: {e(v)}" for k, v in p["implementations"].items()) or "-"
-            out.append(f"<tr><td>{e(p['name'])}</td><td>{p['replaced']}</td><td>{len(p['skipped'])}</td>"
-                       f"<td>{p['ms']}</td><td>{impl}</td></tr>")
-        out.append("</table><h2>What changed, where</h2><table><tr><th>pass</th><th>module</th><th>node</th>"
-                   "<th>now</th><th>detail</th></tr>")
-        for p in d["passes"]:
-            for r in p["rewrites"]:
-                out.append(f"<tr><td>{e(p['name'])}</td><td>{e(r['module'] or '<top>')}</td><td>{e(r['node'])}</td>"
-                           f"<td><code>{e(r['op'])}</code></td><td>{e(r['detail'])}</td></tr>")
-        out.append("</table><h2>What was left alone, and why</h2><table><tr><th>pass</th><th>module</th>"
-                   "<th>node</th><th>reason</th></tr>")
-        for p in d["passes"]:
-            for s in p["skipped"]:
-                out.append(f"<tr class='skip'><td>{e(p['name'])}</td><td>{e(s['module'] or '<top>')}</td>"
-                           f"<td>{e(s['node'])}</td><td>{e(s['reason'])}</td></tr>")
-        out.append("</table><h2>Ops before and after</h2><table><tr><th>op</th><th>before</th><th>after</th></tr>")
-        for op in sorted(set(d["ops_before"]) | set(d["ops_after"])):
-            b, a = d["ops_before"].get(op, 0), d["ops_after"].get(op, 0)
-            cls = " class='changed'" if a != b else ""
-            out.append(f"<tr{cls}><td><code>{e(op)}</code></td><td>{b}</td><td>{a}</td></tr>")
-        out.append("</table><h2>GEMMs in the graphs Inductor compiled (after AOTAutograd)</h2>"
-                   "<table><tr><th>#</th><th>kind</th><th>ops</th></tr>")
-        for i, c in enumerate(d["compiled_graphs"]):
-            ops = ", ".join(f"{e(k)}&times;{v}" for k, v in c["ops"].items()) or "-"
-            out.append(f"<tr><td>{i}</td><td>{c['kind']}</td><td><code>{ops}</code></td></tr>")
-        out.append("</table><h2>Graphs</h2>")
-        for g in self.graphs:
-            final = list(g.code_after.values())[-1] if g.code_after else g.code_before
-            out.append(f"<details><summary>graph {g.index}: diff before → after all passes</summary>"
-                       f"{_diff_html(g.code_before, final)}</details>")
-            out.append(f"<details><summary>graph {g.index}: code after all passes</summary>"
-                       f"<pre>{e(final)}</pre></details>")
-        out.append("</body></html>")
-        return "\n".join(out)
+        from .report_files import report_page
 
-
-def _diff_html(before: str, after: str) -> str:
-    rows = []
-    for line in difflib.unified_diff(before.splitlines(), after.splitlines(), "before", "after", lineterm="", n=1):
-        cls = "add" if line.startswith("+") else "del" if line.startswith("-") else "ctx"
-        rows.append(f"<span class='{cls}'>{html.escape(line)}</span>")
-    return "<pre>" + "\n".join(rows) + "</pre>"
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;
-vertical-align:top}th{background:#f0f0f0}tr.skip td{background:#fff8e6}tr.changed td{background:#eef6ff}
-pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px}.add{color:#070;background:#e6ffe6}
-.del{color:#900;background:#ffe6e6}.ctx{color:#555}summary{cursor:pointer;margin:.5em 0}"""
+        return report_page(self)

@@ -62,13 +62,14 @@ class OneLinear(nn.Module):
         return x + self.proj(x)
 
 
-def test_last_report_is_the_latest_compile_calls_graphs_only():
+def test_last_report_holds_every_compile_call_of_the_run_grouped_by_call():
     torch._dynamo.reset()
     torch.compile(TwoLinears(), backend="moepass", options=OPTIONS)(X)
     assert _linear_pass(moepass.last_report())["replaced"] == 2
     torch.compile(OneLinear(), backend="moepass", options=OPTIONS)(X)  # same options, another model
-    report = moepass.last_report()
-    assert report.to_dict()["graphs"] == 1 and _linear_pass(report)["replaced"] == 1
+    d = moepass.last_report().to_dict()
+    assert d["graphs"] == 2 and d["compile_calls"] == 2 and _linear_pass(moepass.last_report())["replaced"] == 3
+    assert [(g["compile_call"], g["replaced"]["linear"]) for g in d["per_graph"]] == [(0, 2), (1, 1)]
 
 
 def test_last_report_after_dynamo_reset_does_not_count_graphs_twice():
