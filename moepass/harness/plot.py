@@ -50,28 +50,44 @@ def loss_curves(result: dict, path: str) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
+    fig = loss_figure(result, plt)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def loss_figure(result: dict, plt):
+    """The figure loss_curves saves: losses on top (y range past the first steps' fall), the gap below."""
     window = result["window"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     curves = {n: v["loss"] for n, v in result["variants"].items() if v.get("loss")}
+    colors = {name: f"C{i}" for i, name in enumerate(curves)}  # one colour per variant in both panels
+    settled = []  # the moving averages past the first steps' fall (12 -> 1.3 would flatten every curve)
     for name, loss in curves.items():
-        line, = top.plot(range(1, len(loss) + 1), loss, alpha=0.25, linewidth=0.8)
+        top.plot(range(1, len(loss) + 1), loss, alpha=0.25, linewidth=0.8, color=colors[name])
         w = min(window, len(loss))
-        top.plot(range(w, len(loss) + 1), moving_average(loss, w), color=line.get_color(), label=name)
+        averaged = moving_average(loss, w)
+        top.plot(range(w, len(loss) + 1), averaged, color=colors[name], label=name)
+        settled += averaged[len(averaged) // 10:]
+    if settled:
+        low, high = min(settled), max(settled)
+        pad = 0.15 * (high - low) or 0.05 * abs(high) or 0.1
+        top.set_ylim(low - pad, high + pad)
     top.set_ylabel("training loss")
     top.legend()
-    top.set_title(f"moepass converge: same seed and batches; moving average over {window} steps", fontsize=9)
+    top.set_title(f"moepass converge: same seed and batches; moving average over {window} steps "
+                  "(y range from the tenth of steps on)", fontsize=9)
     base = curves.get(result["baseline"])
     for name, loss in curves.items():
         if name == result["baseline"] or base is None:
             continue
         w = min(window, len(loss), len(base))
         mb, mc = moving_average(base, w), moving_average(loss, w)
-        bottom.plot(range(w, w + len(mb)), [100 * abs(c - b) / b for b, c in zip(mb, mc)], label=name)
+        bottom.plot(range(w, w + len(mb)), [100 * abs(c - b) / b for b, c in zip(mb, mc)], label=name,
+                    color=colors[name])
     bottom.axhline(100 * result["tolerance"], color="firebrick", linestyle="--", linewidth=0.8, label="tolerance")
     bottom.set_ylabel("|gap| %")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig

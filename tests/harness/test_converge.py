@@ -125,3 +125,22 @@ def test_progress_and_plot(converge_run):
         assert "PNG skipped" in proc.stdout and not png.exists()
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loss_chart_reads_past_the_first_steps_and_keeps_each_variants_colour():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moepass.harness.plot import loss_figure
+
+    steps = 200
+    falling = [12.0 * 0.5**i + 1.3 + 0.01 * (i % 7) for i in range(steps)]  # 12 -> 1.3 in a few steps, then noise
+    result = {"window": 10, "baseline": "inductor", "tolerance": 0.01, "variants": {
+        "inductor": {"loss": falling}, "moepass": {"loss": [v * 1.002 for v in falling]},
+        "inductor-nudged": {"loss": [v * 0.999 for v in falling]}}}
+    fig = loss_figure(result, plt)
+    top, bottom = fig.axes
+    low, high = top.get_ylim()
+    assert high < 2.0 and low > 1.0, (low, high)  # the settled losses fill the panel; 12 is off the top
+    top_colour = {line.get_label(): line.get_color() for line in top.get_lines() if not line.get_label().startswith("_")}
+    gap_colour = {line.get_label(): line.get_color() for line in bottom.get_lines() if line.get_label() != "tolerance"}
+    assert gap_colour == {name: top_colour[name] for name in ("moepass", "inductor-nudged")}
+    plt.close(fig)
