@@ -37,11 +37,16 @@ def _child(args) -> dict:
     import moepass
     from moepass.harness.model_spec import ModelSpec
     from moepass.harness.train import with_loss
-    from moepass.harness.variants import resolve_variants
+    from moepass.harness.variants import parse_custom_variant, resolve_variants
 
     torch._dynamo.config.capture_scalar_outputs = True
     device = torch.device(args.device)
-    (variant,) = resolve_variants([args.variant], json.loads(args.options) if args.options else None)
+    custom = dict(parse_custom_variant(spec) for spec in args.variant_options)
+    if args.variant in custom:
+        (variant,) = resolve_variants([], json.loads(args.options) if args.options else None,
+                                      {args.variant: custom[args.variant]})
+    else:
+        (variant,) = resolve_variants([args.variant], json.loads(args.options) if args.options else None)
     model = ModelSpec(args.flavor, {"n_layers": args.layers, **json.loads(args.model_overrides)}).build(0, device)
     step = variant.compile(with_loss(model))
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -65,7 +70,28 @@ def _child(args) -> dict:
     passes = {p.name: round(p.ms / 1e3, 3) for p in report.pass_totals()} if variant.backend == "moepass" else {}
     return {"variant": variant.name, "first_step_s": round(times[0], 3), "second_step_s": round(times[1], 3),
             "compile_s": round(times[0] - times[1], 3), "moepass_passes_s": passes,
-            "kernels_generated": metrics.generated_kernel_count, "phases": phases[:PHASES]}
+            "kernels_generated": metrics.generated_kernel_count, "phases": phases[:PHASES],
+            "kernel_kinds": _kernel_kinds(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))}
+
+
+def _kernel_kinds(cache_dir: str | None, top: int = 25) -> list:
+    """The Triton kernels in the output code Inductor wrote, counted by what they fuse (their name, numbered
+    suffix dropped): which kinds of kernel a variant adds."""
+    import collections
+    import re
+
+    if not cache_dir or not os.path.isdir(cache_dir):
+        return []
+    kinds = collections.Counter()
+    for path in pathlib.Path(cache_dir).rglob("*.py"):
+        text = path.read_text(errors="ignore")
+        if "def call(args)" not in text:  # the graph's output code, not a kernel's own module
+            continue
+        for name in re.findall(r"^def (triton_\w+?)(?:_\d+)?\(", text, re.M):
+            kinds[name] += 1
+        for name in re.findall(r"^(triton_\w+?)(?:_\d+)? = async_compile\.triton\(", text, re.M):
+            kinds[name] += 1
+    return [[k, n] for k, n in kinds.most_common(top)]
 
 
 def main() -> None:
@@ -78,6 +104,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--variants", default="inductor,all")
     p.add_argument("--options", default=None, help="moepass options (JSON) for the moepass variants")
+    p.add_argument("--variant-options", action="append", default=[], metavar="LABEL=JSON",
+                   help="one more moepass variant: every pass with these options (repeatable)")
     p.add_argument("--out", default=None)
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child process
     args = p.parse_args()
@@ -85,7 +113,10 @@ def main() -> None:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return
     results = []
-    for name in args.variants.split(","):
+    from moepass.harness.variants import parse_custom_variant
+
+    names = args.variants.split(",") + [parse_custom_variant(spec)[0] for spec in args.variant_options]
+    for name in names:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
                    "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -102,6 +133,8 @@ def main() -> None:
               f"{r['second_step_s']:.2f} s), {r['kernels_generated']} kernels, passes {r['moepass_passes_s']}", flush=True)
         for phase in r["phases"][:12]:
             print(f"{'':>14}{phase['s']:9.2f} s  {phase['calls']:>4}x  {phase['phase']}")
+        for kind, count in r["kernel_kinds"][:12]:
+            print(f"{'':>14}{count:6}  {kind}")
     base = next((r for r in results if r.get("variant") == "inductor" and "compile_s" in r), None)
     for r in results:
         if base and "compile_s" in r:
