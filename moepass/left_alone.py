@@ -49,6 +49,12 @@ ROWS: tuple[LeftAlone, ...] = (
               "(no later all-to-all sends the rows back)", "-"),
     LeftAlone("deepep", "no counts all-to-all", "the token all-to-all's split sizes do not come from exchanged "
               "per-expert counts", "-"),
+    LeftAlone("deepep", "bincount's length is data dependent", "`bincount(ids, minlength=E)` has max(E, max(ids) + 1) "
+              "entries; moepass proves it is E only when the ids provably lie in [0, E) (top-k, argmax or argsort "
+              "indices over E experts, `% E`, `.clamp(0, E - 1)`, through views, casts and gathers); the reason says "
+              "where the proof stopped", "pass `minlength=E` and derive the ids from the router's top-k over E "
+              "experts, add `torch._check(counts.size(0) == E)` after the bincount, or count with "
+              "`zeros(E).scatter_add_(0, ids, ones)`"),
     LeftAlone("deepep", "count per expert", "the counts exchange does not send an integer count per expert",
               "exchange `tokens_per_expert` ([E] or [ranks, E/ranks])"),
     LeftAlone("deepep", "not split evenly", "experts are not split evenly over the ranks",

@@ -90,6 +90,8 @@ def _detail(region: EPRegion, backend: str, kept_counts: bool) -> str:
               f"weights {region.weights_applied.replace('_', ' ')}, backend={backend}; "
               f"a2a forms {region.token_a2a.form}/{region.combine_a2a.form}; "
               f"checked on {region.checked_routings} routings{checked_at}")
+    for pinned in region.pinned_lengths:
+        detail += f"; {pinned.describe()}, asserted at run time"
     if kept_counts:
         detail += "; counts all-to-all kept (its split sizes are also used outside the region)"
     return detail
@@ -165,9 +167,35 @@ def rewrite_regions(gm: fx.GraphModule, regions: list[tuple[EPRegion, str]]) -> 
     return {region.counts_a2a.node for region, _ in regions} & remaining
 
 
+# marks the runtime checks the rewrite inserts: they stay, with what they read, even where nothing else reads that
+_REGION_CHECK = "moepass_region_check"
+
+
+def _assert_ids_in_range(graph: fx.Graph, emit: _Emitter, region: EPRegion) -> None:
+    """For each bincount whose length the analysis proved E from its ids: assert at run time that the ids lie in
+    [0, E), which is what the rewrite relies on (it dispatches to E experts) and what makes the length E.
+
+    A check of the ids' values, not of the bincount's size: the analysis already told the shape environment the
+    size is E (Inductor checks the size where the bincount still runs), so `size == E` would be traced as True and
+    dropped with the bincount, which the rewrite usually leaves dead; this one is fused into one small reduction,
+    with no host sync (an async device assert on GPU), and raises where the original bincount would have grown."""
+    aten = torch.ops.aten
+    for pinned in region.pinned_lengths:
+        with graph.inserting_before(pinned.bincount):
+            ids = _local(emit, pinned.bincount.args[0])
+            in_range = emit(aten.logical_and.default, emit(aten.ge.Scalar, ids, 0),
+                            emit(aten.lt.Scalar, ids, pinned.length))
+            check = emit(aten._assert_async.msg, emit(aten.all.default, in_range),
+                         f"moepass deepep: the ids counted by bincount `{pinned.bincount.name}` must lie in [0, "
+                         f"{pinned.length}) (the EP rewrite of {region.module or 'the region'} dispatches to "
+                         f"{pinned.length} experts)")
+        check.meta[_REGION_CHECK] = True
+
+
 def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     graph = gm.graph
     emit = _Emitter(graph, _fake_mode(region))
+    _assert_ids_in_range(graph, emit, region)
     x_meta, sent_meta = tensor_meta(region.x), tensor_meta(region.token_a2a.input)
     with graph.inserting_before(region.token_a2a.node):
         # the ops take [T, K] ids and weights and [T, D] rows; models may hold [B, S, K] and [B, S, D]
@@ -255,7 +283,7 @@ def live_nodes(graph: fx.Graph, anchors: set[fx.Node]) -> set[fx.Node]:
 
     Writes into a buffer live while the buffer does; a runtime guard (`_assert_scalar`) lives while
     the host values it checks are needed for something else; collectives and `anchors` are never
-    needed for their own sake.
+    needed for their own sake; the checks a rewrite inserted are.
     """
     live, stack = set(), []
 
@@ -265,7 +293,7 @@ def live_nodes(graph: fx.Graph, anchors: set[fx.Node]) -> set[fx.Node]:
             stack.append(n)
 
     for n in graph.nodes:
-        if n.op in ("placeholder", "output"):
+        if n.op in ("placeholder", "output") or n.meta.get(_REGION_CHECK):
             mark(n)
         elif n.op == "call_function" and n not in anchors and not is_collective(n) and not is_guard(n) \
                 and not is_autograd_function(n) and written_buffer(n) is None and n.is_impure():
@@ -305,8 +333,9 @@ def _erase_dead(graph: fx.Graph, live_before: set[fx.Node], anchors: set[fx.Node
     live = live_nodes(graph, anchors)
 
     def erase(n):
-        for u in list(n.users):  # a dead node's users are dead too
-            erase(u)
+        for u in list(n.users):  # a dead node's users are dead too (one may have gone with another already)
+            if not getattr(u, "_erased", False):
+                erase(u)
         graph.erase_node(n)
 
     for n in reversed(list(graph.nodes)):

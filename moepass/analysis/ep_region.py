@@ -31,6 +31,7 @@ from moepass.graph import (ancestors, between, data_inputs, data_users, example_
                            is_unused, later_values, module_path, nearest_ancestors, static_int, static_shape,
                            tensor_meta, written_buffer)
 from .collectives import AllToAll, find_all_to_alls
+from .counts_length import bincount_lengths, pin
 from .evaluate import NotEvaluable, backward_slice
 from .symbols import concrete, example_sizes, numel_expr, same, sample_bindings, shape_exprs, size_expr
 
@@ -66,6 +67,8 @@ class EPRegion:
     weights_on_sent_rows: bool = False  # a [T, K] weight tensor reaches the rows sent (read off the graph)
     token_count: object = None  # T as the graph holds it: an int, or an expression of size symbols
     symbols: dict = dataclasses.field(default_factory=dict)  # size symbol -> the value the checks used
+    # bincounts whose data-dependent length the analysis proved to be E (counts_length): the rewrite asserts them
+    pinned_lengths: list = dataclasses.field(default_factory=list)
 
     @property
     def num_local_experts(self) -> int:
@@ -93,7 +96,8 @@ class Mismatch(Exception):
 def find_ep_regions(gm: fx.GraphModule) -> tuple[list[EPRegion], list[RegionSkip]]:
     """Every EP dispatch/combine region of one graph, checked; and every all-to-all left alone, with the reason.
 
-    Pure: reads the graph, evaluates slices of it on samples, never edits it.
+    Reads the graph and evaluates slices of it on samples, never edits it. The one thing it tells the shape
+    environment is a bincount length it proved (moepass.analysis.counts_length), as a torch._check would.
     """
     from .ep_checks import check_region
 
@@ -208,11 +212,12 @@ def _match_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundary:
     rows come from; a routing map ([T, E] one-hot) also is, so candidates are tried nearest first and the
     first whose checks pass wins. Else the reason given is that of the candidate whose analysis got furthest,
     then the narrowest (ids have K <= E columns, a routing map E)."""
-    num_experts = _check_counts_exchange(counts, tok)
+    num_experts, pinned = _check_counts_exchange(counts, tok, boundary)
     mismatches = []
     for ids in _ids_candidates(counts, tok, boundary):
         try:
             region = identify_region(gm, counts, tok, comb, boundary, ids, num_experts)
+            region.pinned_lengths = pinned
             check(gm, region)
             return region
         except Mismatch as m:
@@ -223,10 +228,22 @@ def _match_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundary:
     raise min(mismatches, key=lambda m: m[:3])[3]
 
 
-def _check_counts_exchange(counts: AllToAll, tok: AllToAll) -> int:
-    """The number of experts, when the counts exchange sends a static count per expert split evenly over ranks."""
+def _check_counts_exchange(counts: AllToAll, tok: AllToAll, boundary: set[fx.Node]) -> tuple[int, list]:
+    """The number of experts, when the counts exchange sends a static count per expert split evenly over ranks;
+    and the bincount lengths that had to be proven (and pinned) to make it static."""
     num_ranks = len(tok.input_splits)
-    counts_shape = static_shape(_index_meta(counts.input))
+    counts_shape, pinned = static_shape(_index_meta(counts.input)), []
+    if not counts_shape and _index_meta(counts.input) is not None:
+        # bincount(ids, minlength=E) has a data-dependent length, E when the ids are provably < E
+        sent, lengths = _describe(counts.input), bincount_lengths(counts.input, boundary)
+        unproven = next((b for b in lengths if b.length is None), None)
+        if unproven is not None:
+            raise Mismatch(counts.node, f"counts all-to-all does not send a static integer count per expert (sends "
+                                        f"{sent}, bincount `{unproven.bincount.name}`): bincount's length is data "
+                                        f"dependent and {unproven.why}")
+        for length in lengths:
+            pin(length)
+        pinned, counts_shape = lengths, static_shape(_index_meta(counts.input))
     if not counts_shape:
         raise Mismatch(counts.node, "counts all-to-all does not send a static integer count per expert "
                                     f"(sends {_describe(counts.input)})")
@@ -236,7 +253,7 @@ def _check_counts_exchange(counts: AllToAll, tok: AllToAll) -> int:
     if num_experts % num_ranks or rows % num_ranks or splits not in (None, (rows // num_ranks,) * num_ranks):
         raise Mismatch(counts.node, f"{num_experts} expert counts ({list(counts_shape)}, splits "
                                     f"{counts.input_splits}) are not split evenly over {num_ranks} ranks")
-    return num_experts
+    return num_experts, pinned
 
 
 def _ids_candidates(counts: AllToAll, tok: AllToAll, boundary: set[fx.Node]) -> list[fx.Node]:
