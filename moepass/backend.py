@@ -71,7 +71,8 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
 
     # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
     decompositions = inductor_decompositions(config["fp8_rowwise.expert_weights_once"],
-                                             config["fp8_rowwise.linear_both_layouts"])
+                                             config["fp8_rowwise.linear_both_layouts"],
+                                             config["fp8_rowwise.linear_weights_once"])
     compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
     return collect.reporting_runs(compiled, record)
 

@@ -70,7 +70,8 @@ GEMMS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"
 
 
 # options that shape the compiled code through the decomposition table alone, which no cache key covers
-DECOMPOSITION_OPTIONS = ("fp8_rowwise.expert_weights_once", "fp8_rowwise.linear_both_layouts")
+DECOMPOSITION_OPTIONS = ("fp8_rowwise.expert_weights_once", "fp8_rowwise.linear_both_layouts",
+                         "fp8_rowwise.linear_weights_once")
 
 
 def decomposition_variant(config) -> str:

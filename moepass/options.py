@@ -129,6 +129,9 @@ OPTIONS: tuple[Option, ...] = (
            "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true). 16B on an H200: "
            "step 1.03x vs all's 1.02x, within noise (examples/results/bench_16B_l4_both_layouts_h200/)",
            choices=("none", "grads", "grads_and_inputs")),
+    Option("fp8_rowwise.linear_weights_once", False, "quantize each linear weight once per step into both FP8 "
+           "layouts its forward and dgrad read (moepass's Triton kernels, two reads; the dgrad's half saved for the "
+           "backward: 1 byte per weight element) instead of twice by Inductor", choices=(True, False)),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),
     Option("mxfp8.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 (dgrad and forward stay MXFP8)",

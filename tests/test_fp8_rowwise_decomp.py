@@ -349,6 +349,20 @@ def test_linear_both_layouts_quantizes_each_operand_once(scaled_mm_on_cpu, both,
                      f"two linears, {both}")
 
 
+def test_linear_weights_once_quantizes_each_weight_once_in_the_forward(scaled_mm_on_cpu):
+    """fp8_rowwise.linear_weights_once: forward and dgrad call the op on the same weight; CSE keeps one call per
+    weight, in the forward (its column half saved for the dgrad); results equal the default table's bit for bit."""
+    x, w1, _ = linear_inputs((2, 24, 64), 96, seed=34)
+    _, w2, g = linear_inputs((2, 24, 96), 48, seed=35)
+    counts = {}
+    backend = _counting_backend(ops.fp8_rowwise_rows_and_cols.default, counts, linear_weights_once=True)
+    torch._dynamo.reset()
+    got = forward_backward(torch.compile(_two_linears, backend=backend, fullgraph=True), g, x, w1, w2)
+    assert counts == {"fw": 2, "bw": 0}  # w1's and w2's
+    assert_all_equal(got, forward_backward(lambda *a: _two_linears(*a, kernel="emulated"), g, x, w1, w2),
+                     "two linears, weights once")
+
+
 def test_linear_both_layouts_leaves_inputs_alone_under_a_bf16_wgrad(scaled_mm_on_cpu):
     x, w, _ = linear_inputs((32, 64), 48, seed=33)
     table = decomp.fp8_rowwise_decompositions(linear_both_layouts="grads_and_inputs")

@@ -65,30 +65,33 @@ def pad_tokens(t: Tensor) -> Tensor:
 
 # ---- the six GEMMs, kernel "scaled_mm" ----------------------------------------------------------
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], inputs_both: bool = False) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], inputs_both: bool = False,
+           weights_once: bool = False) -> Tensor:
     """moepass::fp8_rowwise_linear: x per token and W per output channel, both along K.
 
     inputs_both: x through moepass::fp8_rowwise_rows_and_cols, whose column half the wgrad takes (saved in FP8).
+    weights_once: W through moepass::fp8_rowwise_rows_and_cols too, whose column half the dgrad takes.
     """
     x2 = x.reshape(-1, x.shape[-1])
     tokens = x2.shape[0]
     x_q, x_scale = rows_of(pad_tokens(x2), inputs_both)
-    w_q, w_scale = rows(weight)  # [N, K] row-major: its .t() is the column-major right operand
+    w_q, w_scale = rows_of(weight, weights_once)  # [N, K] row-major: its .t() is the column-major right operand
     y = scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), "fwd")[:tokens]
     if bias is not None:
         y = y + bias  # bf16 add after the GEMM, as the op does
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear_dgrad(grad_out: Tensor, weight: Tensor, grads_both: bool = False) -> Tensor:
+def linear_dgrad(grad_out: Tensor, weight: Tensor, grads_both: bool = False, weights_once: bool = False) -> Tensor:
     """moepass::fp8_rowwise_linear_dgrad: grad_out per token and W per input channel, both along N.
 
     grads_both: grad_out through moepass::fp8_rowwise_rows_and_cols, whose column half the wgrad takes.
+    weights_once: W's column half of the forward's moepass::fp8_rowwise_rows_and_cols(W) (CSE: one call).
     """
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     tokens = g2.shape[0]
     g_q, g_scale = rows_of(pad_tokens(g2), grads_both)
-    w_q, w_scale = cols(weight)  # [N, K] column-major, [1, K]
+    w_q, w_scale = cols_of(weight, weights_once)  # [N, K] column-major, [1, K]
     grad_x = scaled_mm(g_q, g_scale, w_q, w_scale, "dgrad")[:tokens]
     return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
 
@@ -141,14 +144,16 @@ def _maybe_empty(m) -> bool:
     return not statically_known_true(m > 0)
 
 
-def _decompose_linear(x, weight, bias, wgrad_bf16, kernel, both=()):
+def _decompose_linear(x, weight, bias, wgrad_bf16, kernel, both=(), weights_once=False):
     if kernel != "scaled_mm":
         return NotImplemented
-    return linear(x, weight, bias, inputs_both="inputs" in both and not wgrad_bf16)
+    return linear(x, weight, bias, inputs_both="inputs" in both and not wgrad_bf16, weights_once=weights_once)
 
 
-def _decompose_linear_dgrad(grad_out, weight, kernel, both=()):
-    return linear_dgrad(grad_out, weight, "grads" in both) if kernel == "scaled_mm" else NotImplemented
+def _decompose_linear_dgrad(grad_out, weight, kernel, both=(), weights_once=False):
+    if kernel != "scaled_mm":
+        return NotImplemented
+    return linear_dgrad(grad_out, weight, "grads" in both, weights_once)
 
 
 def _decompose_linear_wgrad(grad_out, x, kernel, both=()):
@@ -183,17 +188,19 @@ def _with(fn, **kwargs):
     return functools.wraps(fn)(functools.partial(fn, **kwargs)) if any(kwargs.values()) else fn
 
 
-def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_layouts: str = "none") -> dict:
+def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_layouts: str = "none",
+                               linear_weights_once: bool = False) -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table.
 
-    expert_weights_once, linear_both_layouts: the options fp8_rowwise.* of those names
+    expert_weights_once, linear_both_layouts, linear_weights_once: the options fp8_rowwise.* of those names
     (moepass/ops/fp8_rowwise_both_layouts.py).
     """
     ops = torch.ops.moepass
     both = LINEAR_BOTH_LAYOUTS[linear_both_layouts]
     return {
-        ops.fp8_rowwise_linear.default: _with(_decompose_linear, both=both),
-        ops.fp8_rowwise_linear_dgrad.default: _with(_decompose_linear_dgrad, both=both),
+        ops.fp8_rowwise_linear.default: _with(_decompose_linear, both=both, weights_once=linear_weights_once),
+        ops.fp8_rowwise_linear_dgrad.default: _with(_decompose_linear_dgrad, both=both,
+                                                    weights_once=linear_weights_once),
         ops.fp8_rowwise_linear_wgrad.default: _with(_decompose_linear_wgrad, both=both),
         ops.fp8_rowwise_grouped_mm.default: _with(_decompose_grouped_mm, weights_once=expert_weights_once),
         ops.fp8_rowwise_grouped_mm_dgrad.default: _with(_decompose_grouped_mm_dgrad, weights_once=expert_weights_once),
@@ -201,12 +208,14 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_la
     }
 
 
-def inductor_decompositions(expert_weights_once: bool = False, linear_both_layouts: str = "none") -> dict:
+def inductor_decompositions(expert_weights_once: bool = False, linear_both_layouts: str = "none",
+                            linear_weights_once: bool = False) -> dict:
     """Inductor's default table plus ours: what the moepass backend passes to compile_fx."""
     from torch._inductor.decomposition import select_decomp_table
 
     register_inductor_fallbacks()
-    return {**select_decomp_table(), **fp8_rowwise_decompositions(expert_weights_once, linear_both_layouts)}
+    return {**select_decomp_table(),
+            **fp8_rowwise_decompositions(expert_weights_once, linear_both_layouts, linear_weights_once)}
 
 
 @functools.lru_cache(maxsize=None)
