@@ -6,7 +6,7 @@
 
 Each variant runs in its own child process with empty Inductor and Triton cache directories (a cold compile, as a
 new training job sees it), compiles the model and its loss as one graph (as `moepass bench` does), and runs one
-forward+backward. It reports the first step's wall time, a step after it, and torch's own compile-phase timers
+forward+backward. It reports the first step's wall time, the median of the steps after it, peak memory, and torch's own compile-phase timers
 (`torch._dynamo.utils.compile_times`: Dynamo tracing, AOTAutograd, Inductor lowering and code generation, waits
 for Triton's parallel kernel compilation, autotuning), moepass's passes (their report's ms), and the number of
 kernels Inductor generated. The ratio of compile times is the figure; the phases say where the difference is.
@@ -53,8 +53,10 @@ def _child(args) -> dict:
     vocab = model.output.out_features
     batch = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(2)]
     times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     with moepass.collecting() as report:
-        for _ in range(2):
+        for _ in range(1 + args.timed_steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -68,8 +70,11 @@ def _child(args) -> dict:
         phases.append({"phase": name, "calls": len(values), "s": round(sum(values), 3)})
     phases.sort(key=lambda p: -p["s"])
     passes = {p.name: round(p.ms / 1e3, 3) for p in report.pass_totals()} if variant.backend == "moepass" else {}
-    return {"variant": variant.name, "first_step_s": round(times[0], 3), "second_step_s": round(times[1], 3),
-            "compile_s": round(times[0] - times[1], 3), "moepass_passes_s": passes,
+    step_s = sorted(times[1:])[len(times[1:]) // 2]  # the median step after the compiling one
+    return {"variant": variant.name, "first_step_s": round(times[0], 3), "step_s": round(step_s, 4),
+            "steps_s": [round(t, 4) for t in times[1:]], "compile_s": round(times[0] - step_s, 3),
+            "peak_mem_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+            "moepass_passes_s": passes,
             "kernels_generated": metrics.generated_kernel_count, "phases": phases[:PHASES],
             "kernel_kinds": _kernel_kinds(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))}
 
@@ -106,6 +111,8 @@ def main() -> None:
     p.add_argument("--options", default=None, help="moepass options (JSON) for the moepass variants")
     p.add_argument("--variant-options", action="append", default=[], metavar="LABEL=JSON",
                    help="one more moepass variant: every pass with these options (repeatable)")
+    p.add_argument("--timed-steps", type=int, default=3, help="steps after the compiling one (their median is "
+                   "the step time subtracted from the first)")
     p.add_argument("--out", default=None)
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child process
     args = p.parse_args()
@@ -129,8 +136,10 @@ def main() -> None:
             continue
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
         r = results[-1]
-        print(f"{name:>12}: compile {r['compile_s']:7.1f} s (first step {r['first_step_s']:.1f} s, next "
-              f"{r['second_step_s']:.2f} s), {r['kernels_generated']} kernels, passes {r['moepass_passes_s']}", flush=True)
+        peak = f", peak {r['peak_mem_bytes'] / 2**30:.1f} GiB" if r["peak_mem_bytes"] else ""
+        print(f"{name:>12}: compile {r['compile_s']:7.1f} s (first step {r['first_step_s']:.1f} s, then "
+              f"{r['step_s'] * 1e3:.0f} ms{peak}), {r['kernels_generated']} kernels, passes {r['moepass_passes_s']}",
+              flush=True)
         for phase in r["phases"][:12]:
             print(f"{'':>14}{phase['s']:9.2f} s  {phase['calls']:>4}x  {phase['phase']}")
         for kind, count in r["kernel_kinds"][:12]:

@@ -67,10 +67,19 @@ def _dynamo_frame() -> tuple[str, str]:
         return "", ""
 
 
+def _this_ranks(directory: str) -> str:
+    """Under torch.distributed with several ranks each rank compiles (and reports) its own graphs: rank<r>/."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return os.path.join(directory, f"rank{dist.get_rank()}")
+    return directory
+
+
 def save_graph(report: Report, graph: GraphRecord) -> None:
     """Write `graph`'s files and the report's totals to every report_dir its compile calls named. A problem
     writing is a warning: a report never fails a compile."""
-    for directory in report.report_dirs():
+    for directory in map(_this_ranks, report.report_dirs()):
         try:
             report.save(directory, changed=[graph])
         except Exception as e:

@@ -101,7 +101,8 @@ OPTIONS: tuple[Option, ...] = (
            "(e.g. 'max_autotune', 'triton.cudagraphs'); applied after inductor.mode's",
            check=lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
            expects="a dict of torch._inductor.config names to values, e.g. {'max_autotune': True}"),
-    Option("report_dir", None, "write the report (json, code, html) here after each compiled graph",
+    Option("report_dir", None, "write the run's report here (json, code, html; an index with totals per pass and a "
+           "report per graph), updated as each graph compiles; under torch.distributed each rank in rank<r>/",
            check=_is_dir_path, expects="a directory path or None"),
     # auto on Hopper reads a measured table (fp8_auto_table: per GEMM and token count), and a size rule
     # (fp8_recipe.FP8_ROWWISE_MIN) for shapes it does not hold

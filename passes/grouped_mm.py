@@ -79,6 +79,8 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
 
 
 def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
+    # the tokens as the node holds them now: an earlier rewrite may have replaced the node the match recorded
+    m = dataclasses.replace(m, x=m.node.args[0])
     problem = _problem(m, config)
     sharded = sharded_gemm("grouped_mm", [m.x, m.w_t, m.offs]) if not problem else None
     if problem or isinstance(sharded, str):

@@ -166,6 +166,9 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
 
 
 def _rewrite(m: LinearMatch, config, record) -> None:
+    # the activation as the node holds it now: an earlier rewrite may have replaced it (a linear fed straight
+    # from another, `b(a(x))`), and the match recorded the node it replaced
+    m = dataclasses.replace(m, x=m.node.args[0])
     problem = _problem(m, config)
     sharded = sharded_gemm("linear", [m.x, m.weight, m.bias]) if not problem else None
     if problem or isinstance(sharded, str):

@@ -90,3 +90,23 @@ def test_report_save_writes_json_code_and_html(trained_step, tmp_path):
     assert {"report.json", "report.html", "graph_0_0_before.py", "graph_0_3_after_linear.py"} <= files
     text = open(html).read()
     assert "router gate" in text and "moepass.mxfp8_grouped_mm" in text and "<script" not in text
+
+
+def test_linear_fed_straight_from_another_linear_is_rewritten_too():
+    """`b(a(x))` (a low-rank pair, a LoRA adapter): the second linear's input is the first one's node, which the
+    first rewrite replaces; the second rewrite must take the new node (it once took the erased one)."""
+    import torch.nn.functional as F
+
+    import moepass
+
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 96).to(torch.bfloat16) / 10, torch.randn(96, 64).to(torch.bfloat16) / 10
+    x = torch.randn(16, 96).to(torch.bfloat16)
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        got = torch.compile(lambda x: F.linear(F.linear(x, a), b) + x, backend="moepass",
+                            options={"inductor": False})(x)
+    (linear,) = [p for p in report.to_dict()["passes"] if p["name"] == "linear"]
+    assert linear["replaced"] == 2, linear
+    want = F.linear(F.linear(x.float(), a.float()), b.float()) + x.float()
+    assert ((got.float() - want).norm() / want.norm()).item() < 0.05  # two MXFP8 GEMMs

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
+from helpers import rank_pool  # noqa: F401  (a fixture)
 from torch import fx, nn
 
 import moepass
@@ -194,3 +196,22 @@ def test_a_report_saved_where_an_earlier_run_was_replaces_its_graph_files(tmp_pa
     names = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")}
     assert "graphs/5" not in names and "graph_5_0_before.py" not in names and "notes.txt" in names
     assert {"graphs/0/report.json", "index.json", "report.json", "report.html"} <= names
+
+
+def check_each_rank_writes_its_own_report(rank, world_size, directory):
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    weight = torch.randn(64, 64, dtype=torch.bfloat16)
+    fn = torch.compile(lambda x: F.linear(F.linear(x, weight), weight) + x, backend="moepass",
+                       options={"report_dir": directory, "inductor": False})
+    fn(torch.randn(8, 64, dtype=torch.bfloat16))
+    with open(os.path.join(directory, f"rank{rank}", "report.json")) as f:
+        saved = json.load(f)
+    assert saved["graphs"] == 1, saved
+
+
+def test_ranks_write_their_reports_apart(tmp_path, rank_pool):
+    """Under torch.distributed every rank compiles its own graphs: report_dir/rank<r>/ each, not one overwritten."""
+    rank_pool(2).run(check_each_rank_writes_its_own_report, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
