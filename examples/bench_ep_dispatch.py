@@ -36,7 +36,7 @@ import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 from moepass.harness.profiling import profile_table
 from moepass.harness.provenance import git_commit
 from moepass.models import expert_parallel as standard_ep
-from moepass.ops.ep_dispatch_combine import choose_ep_backend, group_args
+from moepass.ops.ep.dispatch_combine import choose_ep_backend, group_args
 
 SHAPES = {"16B": dict(hidden=2048, experts=64, topk=6), "671B": dict(hidden=7168, experts=256, topk=8),
           "tiny": dict(hidden=64, experts=8, topk=2)}  # tiny: a CPU smoke test of the script itself
@@ -261,7 +261,7 @@ def main() -> None:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
-    from moepass.ops.ep_deepep import release_deepep_buffers
+    from moepass.ops.ep.deepep import release_deepep_buffers
 
     release_deepep_buffers()
     dist.destroy_process_group()

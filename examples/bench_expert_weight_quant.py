@@ -6,11 +6,11 @@ Today the compiled FP8 grouped GEMM quantizes each expert weight w [E, N, K] twi
 the forward along K (one scale per (expert, output channel)) and the dgrad along N (one scale per (expert,
 input channel)), the second a reduction over the strided axis with a transposed write. Under the option
 fp8_rowwise.expert_weights_once, moepass::fp8_rowwise_expert_weights does both with two Triton kernels
-(moepass/ops/fp8_rowwise_triton.both_layouts): one read of w for both amaxes (the row amax in registers, the
+(moepass/ops/lowp/fp8_rowwise/triton_kernels.both_layouts): one read of w for both amaxes (the row amax in registers, the
 column amax by float atomics), then one read writing both e4m3 layouts (the dgrad one through a transposed tile).
 
 For the DeepSeek-V3 16B and 671B expert weights it checks the op bit for bit against moepass's quantization
-(fp8_rowwise_decomp.cols / rows, as the default decompositions call them) and times, with CUDA events, the two
+(fp8_rowwise.decomp.cols / rows, as the default decompositions call them) and times, with CUDA events, the two
 compiled quantizations alone and in one graph, and the op (at its default tile and at each of --blocks).
 The training step with the option: `moepass bench ... --variant 'once={"fp8_rowwise.expert_weights_once": true}'`.
 
@@ -30,8 +30,8 @@ import torch
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_expert_weights, _rows_and_cols)
 from bench_fp8_gemms import compiled, provenance, time_ms
-from moepass.ops import fp8_rowwise_decomp as decomp
-from moepass.ops.fp8_rowwise_triton import both_layouts
+from moepass.ops.lowp.fp8_rowwise import decomp
+from moepass.ops.lowp.fp8_rowwise.triton_kernels import both_layouts
 
 # (model, weight, experts, N, K): w [E, N, K] as the model stores it; the GEMM sees w_t = w.transpose(-2, -1)
 WEIGHTS = [("16B", "w1|w3", 64, 1408, 2048), ("16B", "w2", 64, 2048, 1408),

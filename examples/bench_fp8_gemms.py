@@ -13,15 +13,15 @@ events (median of --iters after warm-up), one line per GEMM as it goes (the JSON
   fp8_gemm     the FP8 GEMMs alone on pre-quantized operands (so quantization = fp8_rowwise - fp8_gemm);
                for linears also without fast accumulation
 and reports TFLOP/s, speedups, SQNR against fp32, the recipe moepass picks for each GEMM and a suggested
-FP8_ROWWISE_MIN for moepass/fp8_recipe.py. Opt-in: --eager (the ops uncompiled), --blockwise (torchao's
+FP8_ROWWISE_MIN for moepass/recipes/auto.py. Opt-in: --eager (the ops uncompiled), --blockwise (torchao's
 DeepSeek-V3 blockwise recipe), --sweep (the size sweep behind the thresholds), --autotune (let Inductor
 autotune Triton templates against aten's _scaled_mm, as a default-mode training compile does; slower).
 The whole-training-step comparison is `moepass bench` (the command is printed at the end).
 
     python examples/bench_fp8_gemms.py --auto-table
 
-re-derives the table recipe="auto" reads on Hopper (moepass/fp8_auto_table_h200.json, see
-moepass/fp8_auto_table.py): every linear above (and the dense FFNs) at each of --tokens-list, and the routed
+re-derives the table recipe="auto" reads on Hopper (moepass/recipes/fp8_auto_table_h200.json, see
+moepass/recipes/auto_table.py): every linear above (and the dense FFNs) at each of --tokens-list, and the routed
 expert MLP of each flavor in context (gather, w1, w3, SiLU*up, w2, forward and backward, compiled) at each of
 --tokens-per-expert-list, each against BF16 compiled the same way.
 """
@@ -42,10 +42,11 @@ import torch
 import torch.nn.functional as F
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
-from moepass import fp8_auto_table, fp8_recipe
 from moepass.harness.provenance import git_commit, package_version
-from moepass.ops import fp8_rowwise_decomp as decomp
-from moepass.ops.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
+from moepass.ops.lowp.fp8_rowwise import decomp
+from moepass.ops.lowp.fp8_rowwise.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
+from moepass.recipes import auto
+from moepass.recipes import auto_table as fp8_auto_table
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
@@ -191,7 +192,7 @@ def bench_linear(m: int, k: int, n: int, args, extras: bool) -> dict:
                                          operands, args.autotune)
     fp8 = {name: run(lambda fn=fn, a=operands[name]: fn(*a)) for name, fn in fns.items()}
     row = {"M": m, "K": k, "N": n, **summarize(bf16, fp8, 2.0 * m * k * n), "compile_s": compile_s}
-    recipe, reason = fp8_recipe.choose_recipe(DEVICE, "linear", m, k, n)
+    recipe, reason = auto.choose_recipe(DEVICE, "linear", m, k, n)
     row["auto_recipe"], row["auto_reason"] = recipe, reason
     if not extras:
         return row
@@ -284,14 +285,14 @@ def bench_grouped(experts: int, m: int, k: int, n: int, args, extras: bool) -> d
     row = {"experts": experts, "M": m, "K": k, "N": n, "tokens_per_expert": m // experts,
            "group_sizes_min_max": [min(sizes), max(sizes)], **summarize(bf16, fp8, 2.0 * m * k * n),
            "compile_s": compile_s}
-    recipe, reason = fp8_recipe.choose_recipe(DEVICE, "grouped", m, k, n, experts=experts)
+    recipe, reason = auto.choose_recipe(DEVICE, "grouped", m, k, n, experts=experts)
     row["auto_recipe"], row["auto_reason"] = recipe, reason
     if not extras:
         return row
     if args.eager:  # the uncompiled ops: torchao's autotuned Triton quantization kernels
         row["fp8_rowwise_eager_ms"] = {name: round(run(lambda fn=fn, a=operands[name]: fn(*a)), 4)
                                        for name, fn in (("fwd", grouped_fwd), ("dgrad", grouped_dgrad))}
-    from moepass.ops.fp8_rowwise_triton import token_group_cols_padded
+    from moepass.ops.lowp.fp8_rowwise.triton_kernels import token_group_cols_padded
 
     (x_q, x_s), (g_q, g_s) = decomp.rows(x), decomp.rows(g)
     (wk_q, wk_s), (wn_q, wn_s) = decomp.cols(w_t), decomp.rows(w_t)
@@ -416,7 +417,7 @@ def bench_expert_mlp(dim: int, inter: int, tokens_per_expert: int, args, receive
 
 
 def auto_table(args) -> int:
-    """Measure and write the table fp8_auto_table reads; the rows are printed as they come."""
+    """Measure and write the table recipes/auto_table reads; the rows are printed as they come."""
     began = time.perf_counter()
     cc = torch.cuda.get_device_capability()
     models = args.models.split(",")
@@ -506,7 +507,7 @@ def parse_args(argv=None):
                         "the 16B shapes run first")
     p.add_argument("--auto-table", action="store_true",
                    help="measure the table recipe=auto reads (per GEMM and token count) into --out "
-                        f"(default moepass/{fp8_auto_table.SHIPPED.name})")
+                        f"(default {fp8_auto_table.SHIPPED_NAME})")
     p.add_argument("--tokens-list", default="4096,8192,16384,32768", help="--auto-table: M of the linears")
     p.add_argument("--tokens-per-expert-list", default="512,1024,2048,4096",
                    help="--auto-table: tokens per expert of the expert MLPs")
@@ -577,7 +578,7 @@ def main(argv=None) -> int:
                      "fp8_rowwise_path": "torch.compile + moepass decompositions (Inductor), static shapes",
                      "scaled_mm_autotune": args.autotune,
                      "linear_fast_accum": LINEAR_FAST_ACCUM, "grouped_fast_accum": GROUPED_FAST_ACCUM,
-                     "thresholds_in_use": {kind: vars(v) for kind, v in fp8_recipe.FP8_ROWWISE_MIN.items()}},
+                     "thresholds_in_use": {kind: vars(v) for kind, v in auto.FP8_ROWWISE_MIN.items()}},
         "linear": [], "grouped": [], "linear_sweep": [], "grouped_sweep": [],
     }
     out = pathlib.Path(args.out)
@@ -617,7 +618,7 @@ def main(argv=None) -> int:
         print(f"\n--budget-s {args.budget_s} spent: skipped {len(result['skipped_for_time'])} GEMM(s) "
               "(listed in the JSON's skipped_for_time; rerun with --models or --budget-s 0)")
     save()
-    print(f"\nsuggested FP8_ROWWISE_MIN for moepass/fp8_recipe.py (then THRESHOLDS_SOURCE = {str(out)!r}):")
+    print(f"\nsuggested FP8_ROWWISE_MIN for moepass/recipes/auto.py (then THRESHOLDS_SOURCE = {str(out)!r}):")
     for kind, s in result["suggested_min_shape"].items():
         if s is not None:
             print(f"    {kind!r}: MinShape(k={s['k']}, n={s['n']}, tokens={s['tokens']}),   # {s}")

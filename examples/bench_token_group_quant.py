@@ -1,4 +1,4 @@
-"""Speed of the grouped wgrad's token-group quantization (moepass/ops/fp8_rowwise_triton.py) on one GPU.
+"""Speed of the grouped wgrad's token-group quantization (moepass/ops/lowp/fp8_rowwise/triton_kernels.py) on one GPU.
 
     python examples/bench_token_group_quant.py --out examples/results/token_group_quant_h200.json
 
@@ -24,8 +24,8 @@ import torch
 
 from bench_fp8_gemms import routed_group_sizes, time_ms
 from moepass.harness.provenance import git_commit, package_version
-from moepass.ops import fp8_rowwise_quant as quant
-from moepass.ops import fp8_rowwise_triton as triton_ops
+from moepass.ops.lowp.fp8_rowwise import quant
+from moepass.ops.lowp.fp8_rowwise import triton_kernels as triton_ops
 
 # (model, operand, experts, routed rows M, columns D): the wgrad operands of bench_fp8_gemms.GROUPED
 SHAPES = [("16B", "x of w1|w3, grad of w2", 64, 196608, 2048), ("16B", "grad of w1|w3, x of w2", 64, 196608, 1408),
@@ -57,7 +57,7 @@ def check_exact(result, ref_q: torch.Tensor, ref_scale: torch.Tensor, sizes: lis
     """The padded layout holds the reference's e4m3 bits group by group, and zeros in the padding."""
     q_t, scale, padded_ends = result
     if not torch.equal(scale, ref_scale):
-        raise AssertionError("scales differ from fp8_rowwise_quant.token_group_cols")
+        raise AssertionError("scales differ from fp8_rowwise.quant.token_group_cols")
     start, p_start = 0, 0
     for size, p_end in zip(sizes, padded_ends.tolist()):
         block = q_t[:, p_start:p_end].view(torch.uint8)

@@ -13,8 +13,8 @@ import sys
 import torch
 from torch import fx
 
-from . import collect
-from .cache_key import CompiledGraphAudit, decomposition_variant
+from . import collect, recipes
+from .cache_key import CompiledGraphAudit
 from .ep_recompute import SaveEPExchanges
 from .options import Config
 from .pipeline import run_pipeline
@@ -62,17 +62,16 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
 
     # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid; each
     # compiled graph (the forward now, the backward at the first backward) saves the report again
-    audit = CompiledGraphAudit(record.compiled, variant=decomposition_variant(config),
+    audit = CompiledGraphAudit(record.compiled, variant=recipes.cache_variant(config),
                                on_compiled=lambda: collect.save_graph(report, held))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
     patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
                "joint_custom_pre_pass": SaveEPExchanges()}
-    from .ops.fp8_rowwise_decomp import inductor_decompositions
+    from torch._inductor.decomposition import select_decomp_table
 
-    # FP8-rowwise ops with kernel "scaled_mm" become plain torch here, so Inductor fuses their quantization.
-    decompositions = inductor_decompositions(config["fp8_rowwise.expert_weights_once"],
-                                             config["fp8_rowwise.linear_both_layouts"],
-                                             config["fp8_rowwise.linear_weights_once"])
+    # the recipes' decompositions over Inductor's table (FP8-rowwise "scaled_mm" ops become plain torch here, so
+    # Inductor fuses their quantization)
+    decompositions = {**select_decomp_table(), **recipes.decompositions(config)}
     compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
     return collect.reporting_runs(compiled, record)
 

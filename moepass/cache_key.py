@@ -2,8 +2,9 @@
 
 Inductor calls it on every post-grad graph it compiles (forward and backward), so the report
 can show which moepass ops (and collectives) really reached the compiled graphs: the quantized dgrad and
-wgrad GEMMs only exist in the backward graph AOTAutograd derives. FP8-rowwise ops with kernel "scaled_mm"
-are decomposed before this point: they show as aten._scaled_mm / _scaled_grouped_mm. It never changes a graph.
+wgrad GEMMs only exist in the backward graph AOTAutograd derives. Ops a recipe decomposes for Inductor are gone by
+this point: they show as the aten GEMMs the recipe names (FP8-rowwise "scaled_mm": aten._scaled_mm /
+_scaled_grouped_mm). It never changes a graph.
 
 A custom op's Python body and autograd formula are not part of Inductor's FX-graph cache key
 or the AOTAutograd cache key, so after editing an op (or its decomposition) a warm cache could
@@ -25,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import recipes
 
 
 log = logging.getLogger(__name__)
@@ -65,21 +68,9 @@ def graph_kind(graph: torch.fx.Graph) -> str:
     return "backward" if any(n.startswith("tangents") for n in names) else "forward"
 
 
-# aten GEMMs worth reporting; _scaled_mm / _scaled_grouped_mm are the decomposed FP8-rowwise ops' GEMMs
-GEMMS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm")
-
-
-# options that shape the compiled code through the decomposition table alone, which no cache key covers
-DECOMPOSITION_OPTIONS = ("fp8_rowwise.expert_weights_once", "fp8_rowwise.linear_both_layouts",
-                         "fp8_rowwise.linear_weights_once")
-
-
-def decomposition_variant(config) -> str:
-    """The DECOMPOSITION_OPTIONS set away from their defaults, for CompiledGraphAudit's uuid."""
-    from .options import OPTIONS
-
-    defaults = {o.key: o.default for o in OPTIONS}
-    return "+".join(f"{key}={config[key]}" for key in DECOMPOSITION_OPTIONS if config[key] != defaults[key])
+# aten GEMMs worth reporting: the BF16 ones, and those the recipes' decompositions leave (recipes.decomposed_gemms)
+BF16_GEMMS = ("mm", "addmm", "bmm", "_grouped_mm")
+GEMMS = (*BF16_GEMMS, *sorted(recipes.decomposed_gemms()))
 
 
 class CompiledGraphAudit(CustomGraphPass):
@@ -88,7 +79,7 @@ class CompiledGraphAudit(CustomGraphPass):
 
     def __init__(self, sink: list | None = None, variant: str = "", on_compiled: Callable[[], None] | None = None):
         self.sink = sink if sink is not None else []
-        self.variant = variant  # what else shapes the compiled code (the decomposition table's options)
+        self.variant = variant  # what else shapes the compiled code (recipes.cache_variant: decompositions' options)
         self.on_compiled = on_compiled
 
     def __call__(self, graph: torch.fx.Graph) -> None:

@@ -18,14 +18,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .cache_key import source_hash
-
-_COMMUNICATING = ("ep_dispatch", "ep_combine", "ep_dispatch_cached", "ep_dispatch_backward")
+from .op_registry import is_exchange
 
 
 def is_ep_exchange(node: torch.fx.Node) -> bool:
-    t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "moepass" \
-        and t._opname in _COMMUNICATING
+    """moepass's EP dispatch / combine ops (forward and backward), as ops/ep registers them."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and is_exchange(node.target)
 
 
 def _mark_saved(node: torch.fx.Node) -> None:

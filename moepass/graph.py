@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from .module_paths import WRAPPER_ATTRS, resolve
+from .op_registry import gemm_role
 
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
 _MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.ops.aten.mm, torch.ops.aten.mm.default,
@@ -169,9 +170,8 @@ def is_gemm(node: fx.Node) -> bool:
     """Any node that does a matrix product (including ones moepass already rewrote)."""
     if is_linear(node) or is_matmul(node) or is_grouped_mm(node) or is_call(node, _SDPA_TARGETS):
         return True
-    t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "moepass" \
-        and ("linear" in t._opname or "grouped_mm" in t._opname)
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and gemm_role(node.target) is not None
 
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:

@@ -13,8 +13,8 @@ flex_attention. `install(options)` puts into `torch._inductor.config` what `moep
     pre_grad_pass_timing "early" (torch >= 2.12) the pipeline runs before the AOTAutograd cache lookup, as the
                                  backend's does: the cache keys on the rewritten graph, and a warm cache
                                  still reports every graph's rewrites
-    decompositions               FP8-rowwise "scaled_mm" decompositions added to Inductor's default table
-                                 (moepass's own ops are their only keys, so no other graph changes)
+    decompositions               the recipes' decompositions (FP8-rowwise "scaled_mm") added to Inductor's
+                                 default table (moepass's own ops are their only keys, so no other graph changes)
     Dynamo flags                 capture_scalar_outputs, capture_dynamic_output_shape_ops
 
 `uninstall()` puts back each value it replaced that still holds what it set. Options: `install(options)`, else
@@ -36,8 +36,8 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import collect
-from .cache_key import CompiledGraphAudit, decomposition_variant, source_hash
+from . import collect, recipes
+from .cache_key import CompiledGraphAudit, source_hash
 from .ep_recompute import SaveEPExchanges
 from .options import Config, OptionsError
 from .pipeline import run_pipeline
@@ -137,7 +137,7 @@ class _Installation:
         self.config = config
         self.pre_grad = MoepassPreGradPass(config)
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
-                         "post_grad_custom_post_pass": RouteAudit(self.pre_grad, decomposition_variant(config)),
+                         "post_grad_custom_post_pass": RouteAudit(self.pre_grad, recipes.cache_variant(config)),
                          "joint_custom_pre_pass": SaveEPExchanges()}
         self.dynamo = dict(DYNAMO_FLAGS)
         self.decompositions: dict = {}
@@ -182,8 +182,6 @@ def install(options: dict | None = None) -> Config:
     import moepass.ops  # noqa: F401  (registers the ops the decompositions are keyed on)
     from torch._inductor.decomposition import decompositions as inductor_table
 
-    from .ops.fp8_rowwise_decomp import fp8_rowwise_decompositions, register_inductor_fallbacks
-
     state = _Installation(config)
     for slot, custom_pass in state.inductor.items():
         state.set(inductor_config, slot, custom_pass)
@@ -192,10 +190,9 @@ def install(options: dict | None = None) -> Config:
     for flag, value in state.dynamo.items():
         state.set(torch._dynamo.config, flag, value)
     # the backend passes these as compile_fx(decompositions=); under backend="inductor" the default table is read
-    register_inductor_fallbacks()
-    state.decompositions = fp8_rowwise_decompositions(config["fp8_rowwise.expert_weights_once"],
-                                                      config["fp8_rowwise.linear_both_layouts"])
+    state.decompositions = recipes.decompositions(config)
     inductor_table.update(state.decompositions)
+    _forget_cached_table()
     global _installed
     _installed = state
     log.info("moepass: Inductor route installed, options %s", config.to_dict())
@@ -214,6 +211,17 @@ def uninstall() -> None:
     for op, fn in state.decompositions.items():
         if inductor_table.get(op) is fn:
             del inductor_table[op]
+    _forget_cached_table()
+
+
+def _forget_cached_table() -> None:
+    """Inductor copies its default table on first read (`fast_random_decomps`, cached): drop the copy, so an
+    installation after an earlier compile in the process is seen (and an uninstalled one is not)."""
+    from torch._inductor import decomposition
+
+    cache_clear = getattr(getattr(decomposition, "fast_random_decomps", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 @contextlib.contextmanager

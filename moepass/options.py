@@ -104,8 +104,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("report_dir", None, "write the run's report here (json, code, html; an index with totals per pass and a "
            "report per graph), updated as each graph compiles; under torch.distributed each rank in rank<r>/",
            check=_is_dir_path, expects="a directory path or None"),
-    # auto on Hopper reads a measured table (fp8_auto_table: per GEMM and token count), and a size rule
-    # (fp8_recipe.FP8_ROWWISE_MIN) for shapes it does not hold
+    # the recipes: moepass.recipes (one object each); auto on Hopper reads a measured table (recipes/auto_table: per
+    # GEMM and token count), and a size rule (recipes.auto.FP8_ROWWISE_MIN) for shapes it does not hold
     Option("recipe", "auto", "low-precision recipe of the grouped_mm and linear passes: auto = mxfp8 on "
            "sm_100+ and CPU (emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; "
            "or force mxfp8 / fp8_rowwise",

@@ -13,6 +13,8 @@ import dataclasses
 import os
 from collections import Counter
 
+from .skips import Reason, SkipCode
+
 SCHEMA_VERSION = 1
 
 
@@ -29,6 +31,10 @@ class Skip:
     node: str
     module: str
     reason: str
+    code: SkipCode | None = None  # why and fix (moepass.left_alone.explain); not in to_dict's schema
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "module": self.module, "reason": self.reason}
 
 
 @dataclasses.dataclass
@@ -57,8 +63,8 @@ class PassRecord:
     def replace(self, node, module: str, op: str, detail: str = "") -> None:
         self.rewrites.append(Rewrite(self._name(node), module, op, detail))
 
-    def skip(self, node, module: str, reason: str) -> None:
-        self.skipped.append(Skip(self._name(node), module, reason))
+    def skip(self, node, module: str, reason: Reason) -> None:
+        self.skipped.append(Skip(self._name(node), module, reason.text, reason.code))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,7 +191,7 @@ class Report:
                 {
                     "name": p.name,
                     "replaced": len(p.rewrites),
-                    "skipped": [dataclasses.asdict(s) for s in p.skipped],
+                    "skipped": [s.to_dict() for s in p.skipped],
                     "ms": round(p.ms, 3),
                     "rewrites": [dataclasses.asdict(r) for r in p.rewrites],
                     "implementations": p.implementations,

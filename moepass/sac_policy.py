@@ -2,11 +2,11 @@
 
 SAC policies (torchtitan's op list, a user's `create_selective_checkpoint_contexts(policy)`) choose per op, by op
 identity, whether an output is saved or recomputed: `aten.mm`, `aten.addmm`, `aten._grouped_mm`. After the passes
-a checkpoint body holds `moepass::*_linear` / `*_grouped_mm` instead, which no policy lists, so every rewritten GEMM
-would be recomputed in the backward as under full AC. The body's context_fn is wrapped so that the policy is asked
-about the op the BF16 graph held: a linear as the `aten.mm(x as 2-D, W.T)` (`addmm` with a bias) it decomposes to,
-a grouped GEMM as `aten._grouped_mm`. Expert-parallel dispatch/combine are saved whatever the policy says
-(ep_recompute.SaveEPExchanges).
+a checkpoint body holds moepass's forward GEMM ops instead (moepass.op_registry), which no policy lists, so every
+rewritten GEMM would be recomputed in the backward as under full AC. The body's context_fn is wrapped so that the
+policy is asked about the op the BF16 graph held: a linear as the `aten.mm(x as 2-D, W.T)` (`addmm` with a bias)
+it decomposes to, a grouped GEMM as `aten._grouped_mm`. Expert-parallel dispatch/combine are saved whatever the
+policy says (ep_recompute.SaveEPExchanges).
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from torch import fx
 
 from .analysis.scopes import graph_scopes
 from .cache_key import source_hash
+from .op_registry import gemm_role
 
 CONTEXT_FN = "_checkpoint_context_fn"  # where Dynamo keeps a checkpoint's context_fn: the body's meta
 
 
 def _replaced(func, args):
     """(aten op, args) a policy written for BF16 expects in place of a moepass GEMM op, else None."""
-    if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "moepass"):
+    role = gemm_role(func) if isinstance(func, torch._ops.OpOverload) else None
+    if role is None or role.gemm != "forward":
         return None
-    if func._opname.endswith("_linear"):  # F.linear reaches aten as addmm (with a bias) or mm of the 2-D view
+    if role.kind == "linear":  # F.linear reaches aten as addmm (with a bias) or mm of the 2-D view
         x, weight, bias = args[0], args[1], args[2]
         x2, w_t = x.reshape(-1, x.shape[-1]), weight.t()
         return (torch.ops.aten.mm.default, (x2, w_t)) if bias is None else (torch.ops.aten.addmm.default,
                                                                             (bias, x2, w_t))
-    if func._opname.endswith("_grouped_mm"):
+    if role.kind == "grouped":
         return torch.ops.aten._grouped_mm.default, tuple(args[:3])  # (x, w_t, offs): _grouped_mm's own order
     return None
 

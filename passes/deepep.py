@@ -29,6 +29,7 @@ from moepass.analysis.dtensors import is_dtensor, local_value
 from moepass.analysis.ep_region import EPRegion, find_ep_regions, result_readers
 from moepass.analysis.scopes import graph_scopes
 from moepass.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
+from moepass.skips import Reason, SkipCode
 
 NAME = "deepep"
 SUMMARY = "EP all-to-all dispatch/combine regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics)"
@@ -47,28 +48,27 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
 
 
 def _run_scope(gm: fx.GraphModule, config, record) -> None:
-    import moepass.ops.ep_dispatch_combine  # noqa: F401  (registers the EP ops)
-    import moepass.ops.ep_permute  # noqa: F401
-    from moepass.ops.ep_dispatch_combine import choose_ep_backend
+    import moepass.ops.ep  # noqa: F401  (registers the EP ops)
+    from moepass.ops.ep.dispatch_combine import choose_ep_backend
 
     regions, skips = find_ep_regions(gm)
     for s in skips:
-        record.skip(s.node, s.module, s.reason)
+        record.skip(s.node, s.module, Reason(s.code, s.reason))
     chosen = []
     for region in regions:
         shape_env = getattr(_fake_mode(region), "shape_env", None)
         if shape_env is not None and not shape_env.allow_dynamic_output_shape_ops:
-            record.skip(region.token_a2a.node, region.module,
-                        "torch._dynamo.config.capture_dynamic_output_shape_ops is off (moepass.backend turns it on "
-                        "at import; was it reset?): the received row count could not be traced")
+            record.skip(region.token_a2a.node, region.module, Reason(
+                SkipCode.NO_DYNAMIC_SHAPES, "torch._dynamo.config.capture_dynamic_output_shape_ops is off "
+                "(moepass.backend turns it on at import; was it reset?): the received row count could not be traced"))
             continue
         backend, why = choose_ep_backend(region.group_name, tensor_meta(region.x).device, region.num_experts,
                                          config["deepep.backend"])
         if backend == "deepep" and tensor_meta(region.x).dtype != torch.bfloat16:
             if config["deepep.backend"] == "deepep":
                 dtype = tensor_meta(region.x).dtype
-                record.skip(region.token_a2a.node, region.module,
-                            f"DeepEP takes bfloat16 tokens, x is {dtype}; use deepep.backend=reference")
+                record.skip(region.token_a2a.node, region.module, Reason(
+                    SkipCode.DEEPEP_BF16, f"DeepEP takes bfloat16 tokens, x is {dtype}; use deepep.backend=reference"))
                 continue
             backend, why = "reference", f"x is {tensor_meta(region.x).dtype}; DeepEP takes bfloat16 tokens"
         record.implementations[backend] = why

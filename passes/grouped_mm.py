@@ -1,5 +1,5 @@
 """grouped_mm (old name: mxfp8_grouped_mm): `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs ->
-moepass::mxfp8_grouped_mm or moepass::fp8_rowwise_grouped_mm, per the `recipe` option (moepass.fp8_recipe).
+moepass::mxfp8_grouped_mm or moepass::fp8_rowwise_grouped_mm, per the `recipe` option (moepass.recipes).
 
 The 2-D x 3-D form with int32 group-end offsets is the routed-experts GEMM of MoE layers
 (torchtitan, HF transformers' grouped_mm experts, our models/). Its forward, dgrad and wgrad run
@@ -19,8 +19,9 @@ from moepass.analysis.routed_rows import RoutedRows
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
-from moepass.gemm_plan import apply_plan, plan_gemm
 from moepass.gemm_rules import dtype_problem, module_filter_problem
+from moepass.recipes.plan import apply_plan, plan_gemm
+from moepass.skips import Reason, SkipCode
 
 NAME = "grouped_mm"
 SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "
@@ -50,23 +51,25 @@ def find_grouped_mms(gm: fx.GraphModule) -> list[GroupedMMMatch]:
     ]
 
 
-def _problem(m: GroupedMMMatch, config) -> str | None:
+def _problem(m: GroupedMMMatch, config) -> Reason | None:
     problem = module_filter_problem(m.module, config)
     if problem:
         return problem
     x, w = tensor_meta(m.x), tensor_meta(m.w_t)
     if x is None or w is None:
-        return "operands have no recorded tensor metadata"
+        return Reason(SkipCode.NO_METADATA, "operands have no recorded tensor metadata")
     if x.dim() != 2 or w.dim() != 3 or m.offs is None:
-        return (f"{x.dim()}-D x {w.dim()}-D grouped GEMM{' without offs' if m.offs is None else ''}; "
-                "only the MoE form x[M,K] @ w_t[E,K,N] with offs is rewritten")
+        return Reason(SkipCode.NOT_MOE_FORM, f"{x.dim()}-D x {w.dim()}-D grouped GEMM"
+                                             f"{' without offs' if m.offs is None else ''}; only the MoE form "
+                                             "x[M,K] @ w_t[E,K,N] with offs is rewritten")
     if m.bias is not None:
-        return "grouped GEMM with bias is not rewritten"
+        return Reason(SkipCode.GROUPED_BIAS, "grouped GEMM with bias is not rewritten")
     if m.out_dtype not in (None, torch.bfloat16):
-        return f"out_dtype={m.out_dtype} requested; the low-precision ops return bfloat16"
+        return Reason(SkipCode.OUT_DTYPE, f"out_dtype={m.out_dtype} requested; the low-precision ops return bfloat16")
     offs = tensor_meta(m.offs)
     if offs is None or offs.dtype != torch.int32:
-        return f"offs is {getattr(offs, 'dtype', 'not a tensor')}, expected int32 group end offsets"
+        return Reason(SkipCode.OFFS_NOT_INT32,
+                      f"offs is {getattr(offs, 'dtype', 'not a tensor')}, expected int32 group end offsets")
     return dtype_problem(activation=x, weight=w)
 
 
@@ -83,7 +86,7 @@ def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
     m = dataclasses.replace(m, x=m.node.args[0])
     problem = _problem(m, config)
     sharded = sharded_gemm("grouped_mm", [m.x, m.w_t, m.offs]) if not problem else None
-    if problem or isinstance(sharded, str):
+    if problem or isinstance(sharded, Reason):
         record.skip(m.node, m.module, problem or sharded)
         return
     x = tensor_meta(m.x)
@@ -93,6 +96,6 @@ def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
     plan = plan_gemm(config, "grouped", x.device, x_shape[0], k, n, experts=e,
                      expected=lambda: routed_rows().expected(m.x))
     shards = "" if sharded is None else f" per shard ({sharded.layout})"
-    if isinstance(plan, str) and shards:
-        plan += f" [K and N{shards}]"
+    if isinstance(plan, Reason) and shards:
+        plan = plan.plus(f" [K and N{shards}]")
     apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}{shards}")

@@ -1,8 +1,8 @@
 """linear (old name: mxfp8_linear): BF16 linears -> moepass::mxfp8_linear or moepass::fp8_rowwise_linear
 (all three GEMMs in FP8).
 
-The `recipe` option picks the op per node (moepass.fp8_recipe): MXFP8 on sm_100 and on CPU, FP8 rowwise
-on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere.
+The `recipe` option picks the op per node (moepass.recipes; "auto": recipes.auto): MXFP8 on sm_100 and on CPU, FP8
+rowwise on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere.
 Matches `F.linear(x, W, b)` (what nn.Linear traces to) and the equivalent `x @ W.t()` /
 `torch.matmul(x, W.transpose(0, 1))` on a 2-D parameter. By default the MoE router gate (a
 linear whose output feeds top-k selection) and the output head (the last GEMM, whose output is
@@ -24,8 +24,9 @@ from moepass.analysis.scopes import Scope, dataflow, graph_scopes
 from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
                            tensor_meta)
-from moepass.gemm_plan import apply_plan, plan_gemm
 from moepass.gemm_rules import dtype_problem, module_filter_problem
+from moepass.recipes.plan import apply_plan, plan_gemm
+from moepass.skips import Reason, SkipCode
 
 NAME = "linear"
 SUMMARY = ("BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear or fp8_rowwise_linear (per the recipe); "
@@ -138,13 +139,14 @@ def _scope_linears(scope: Scope, g, top: fx.Graph) -> list[LinearMatch]:
     return matches
 
 
-def _problem(m: LinearMatch, config) -> str | None:
+def _problem(m: LinearMatch, config) -> Reason | None:
     if m.role == "router" and config["lowp.keep_router_bf16"]:
-        return ("router gate: its output feeds expert selection (top-k, arg-max, sort) "
-                "(kept BF16; lowp.keep_router_bf16)")
+        return Reason(SkipCode.ROUTER_GATE, "router gate: its output feeds expert selection (top-k, arg-max, sort) "
+                                            "(kept BF16; lowp.keep_router_bf16)")
     if m.role == "output_head" and config["lowp.keep_output_head_bf16"]:
-        return ("output head (vocabulary projection): no GEMM or residual add after it in this graph (also the "
-                "last GEMM before a graph break looks so) (kept BF16; lowp.keep_output_head_bf16)")
+        return Reason(SkipCode.OUTPUT_HEAD, "output head (vocabulary projection): no GEMM or residual add after it in "
+                                            "this graph (also the last GEMM before a graph break looks so) (kept BF16; "
+                                            "lowp.keep_output_head_bf16)")
     problem = module_filter_problem(m.module, config)
     if problem:
         return problem
@@ -154,7 +156,8 @@ def _problem(m: LinearMatch, config) -> str | None:
     if problem:
         return problem
     if w.dim() != 2 or x.dim() < 2:
-        return f"weight is {w.dim()}-D and activation {x.dim()}-D; expected a 2-D weight and >= 2-D activation"
+        return Reason(SkipCode.NOT_2D_WEIGHT, f"weight is {w.dim()}-D and activation {x.dim()}-D; expected a 2-D "
+                                              "weight and >= 2-D activation")
     return None
 
 
@@ -171,7 +174,7 @@ def _rewrite(m: LinearMatch, config, record) -> None:
     m = dataclasses.replace(m, x=m.node.args[0])
     problem = _problem(m, config)
     sharded = sharded_gemm("linear", [m.x, m.weight, m.bias]) if not problem else None
-    if problem or isinstance(sharded, str):
+    if problem or isinstance(sharded, Reason):
         record.skip(m.node, m.module, problem or sharded)
         return
     x = tensor_meta(m.x)
@@ -179,6 +182,6 @@ def _rewrite(m: LinearMatch, config, record) -> None:
     x_shape, (n, k) = (x.shape, tensor_meta(m.weight).shape) if sharded is None else sharded.local_shapes[:2]
     plan = plan_gemm(config, "linear", x.device, math.prod(x_shape[:-1]), k, n)
     shards = "" if sharded is None else f" per shard ({sharded.layout})"
-    if isinstance(plan, str) and shards:
-        plan += f" [K and N{shards}]"
+    if isinstance(plan, Reason) and shards:
+        plan = plan.plus(f" [K and N{shards}]")
     apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.weight, m.bias), f"K={k} N={n}{shards}")

@@ -58,7 +58,7 @@ def _rank_loop(rank, world_size, port, pg_backend, env, tasks, results):
             except BaseException:
                 results.put((rank, traceback.format_exc()))
     finally:
-        deepep = sys.modules.get("moepass.ops.ep_deepep")
+        deepep = sys.modules.get("moepass.ops.ep.deepep")
         if deepep is not None:
             deepep.release_deepep_buffers()
         dist.destroy_process_group()
@@ -266,21 +266,21 @@ def sum_in_rank_order(terms: list[torch.Tensor]) -> torch.Tensor:
 
 def handle_fields(backend: str, handle) -> tuple[torch.Tensor, torch.Tensor]:
     """(is_token_in_rank, recv_src_idx) from either backend's handle."""
-    from moepass.ops import ep_deepep, ep_reference
+    from moepass.ops.ep import deepep, reference
 
-    layout = ep_deepep if backend == "deepep" else ep_reference
+    layout = deepep if backend == "deepep" else reference
     return handle[layout.HANDLE_IS_TOKEN_IN_RANK], handle[layout.HANDLE_RECV_SRC_IDX]
 
 
 def dispatch(x, topk_idx, topk_weights, problem: EpProblem, backend: str):
-    import moepass.ops.ep_dispatch_combine  # noqa: F401  (registers torch.ops.moepass.ep_*)
-    from moepass.ops.ep_dispatch_combine import group_args
+    import moepass.ops.ep.dispatch_combine  # noqa: F401  (registers torch.ops.moepass.ep_*)
+    from moepass.ops.ep.dispatch_combine import group_args
 
     return torch.ops.moepass.ep_dispatch(x, topk_idx, topk_weights, problem.num_experts, *group_args(), backend)
 
 
 def combine(y, handle, backend: str):
-    from moepass.ops.ep_dispatch_combine import group_args
+    from moepass.ops.ep.dispatch_combine import group_args
 
     return torch.ops.moepass.ep_combine(y, handle, *group_args(), backend)
 
@@ -395,8 +395,8 @@ def check_compiled_matches_eager(rank, world_size, backend, device, compile_back
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.compile_fx import compile_fx
 
-    import moepass.ops.ep_dispatch_combine  # noqa: F401
-    from moepass.ops.ep_dispatch_combine import group_args
+    import moepass.ops.ep.dispatch_combine  # noqa: F401
+    from moepass.ops.ep.dispatch_combine import group_args
 
     problem = problem_for(world_size, device)
     graphs = {"dynamo": 0, "fw": [], "bw": []}
@@ -599,7 +599,7 @@ MXFP8_GROUPED_SHAPES = [([10, 0, 50, 40], 64, 96), ([32, 64, 0, 1], 128, 64), ([
 @pytest.fixture
 def scaled_mm_on_cpu(monkeypatch):
     """Let kernel "scaled_mm" pass the ops' checks on CPU (linears run torch._scaled_mm's CPU kernel)."""
-    from moepass.ops import fp8_rowwise_kernels
+    from moepass.ops.lowp.fp8_rowwise import kernels as fp8_rowwise_kernels
 
     original = fp8_rowwise_kernels.choose_fp8_rowwise_kernel
 

@@ -13,7 +13,7 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from moepass.ops import fp8_rowwise_decomp as decomp
+from moepass.ops.lowp.fp8_rowwise import decomp
 from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def test_linear_row_on_cpu(bench, scaled_mm_on_cpu, monkeypatch):  # noqa: F811
 
 def test_auto_table_on_cpu_writes_a_table_that_loads(bench, scaled_grouped_mm_on_cpu, monkeypatch, tmp_path):  # noqa: F811
     """--auto-table end to end on CPU: one linear at two token counts and one expert MLP at two loads."""
-    from moepass import fp8_auto_table
+    from moepass.recipes import auto_table
 
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "compiled", _cpu_compiled)
@@ -111,13 +111,13 @@ def test_auto_table_on_cpu_writes_a_table_that_loads(bench, scaled_grouped_mm_on
                              "--tokens-list", "32,64", "--tokens-per-expert-list", "16,32"])
     assert bench.auto_table(args) == 0
     data = json.loads(out.read_text())
-    assert data["schema"] == fp8_auto_table.SCHEMA and data["capability"] == [9, 0]
+    assert data["schema"] == auto_table.SCHEMA and data["capability"] == [9, 0]
     assert [(r["K"], r["N"], r["tokens"]) for r in data["linear"]] == [(64, 48, 32), (64, 48, 64)]
     assert [(r["dim"], r["inter"], r["tokens_per_expert"]) for r in data["grouped"]] == [(64, 32, 16), (64, 32, 32)]
     assert [r["tokens_per_expert"] for r in data["grouped_received"]] == [16, 32]  # the same MLPs on received rows
     for r in data["linear"] + data["grouped"] + data["grouped_received"]:
         assert r["speedup"] == pytest.approx(r["bf16_ms"] / r["fp8_ms"], rel=0.02, abs=2e-3)  # both rounded
-    table = fp8_auto_table.AutoTable(data, str(out))
+    table = auto_table.AutoTable(data, str(out))
     assert table.linear(64, 48, 64).speedup == data["linear"][1]["speedup"]
     assert table.grouped(32, 64, 32).speedup == data["grouped"][1]["speedup"]  # w2 of the MLP
     assert table.grouped(32, 64, 32, received=True).speedup == data["grouped_received"][1]["speedup"]

@@ -20,9 +20,11 @@ def test_harness_is_not_hashed():
     assert not _hashed_paths() & set(harness)
 
 
-def test_engine_analysis_ops_and_passes_are_hashed():
+def test_engine_analysis_recipes_ops_and_passes_are_hashed():
     hashed = _hashed_paths()
-    for folder in (MOEPASS / "analysis", MOEPASS / "ops", pathlib.Path(moepass.passes.__file__).parent):
+    for folder in (MOEPASS / "analysis", MOEPASS / "recipes", MOEPASS / "ops", MOEPASS / "ops" / "lowp",
+                   MOEPASS / "ops" / "lowp" / "fp8_rowwise", MOEPASS / "ops" / "ep",
+                   pathlib.Path(moepass.passes.__file__).parent):
         files = set(folder.glob("*.py"))
         assert files and files <= hashed, folder
     assert {MOEPASS / "backend.py", MOEPASS / "pipeline.py", MOEPASS / "options.py"} <= hashed

@@ -78,7 +78,7 @@ def _all_to_alls_left(report) -> int:
 
 
 def test_expert_major_pairs_lists_each_local_expert_then_row():
-    import moepass.ops.ep_permute  # noqa: F401
+    import moepass.ops.ep.permute  # noqa: F401
 
     recv_topk_idx = torch.tensor([[1, -1], [0, 1], [-1, -1], [0, -1]])
     pair_row, pair_slot = torch.ops.moepass.ep_expert_major_pairs(recv_topk_idx, 2)
@@ -91,7 +91,7 @@ def test_expert_major_pairs_fake_size_is_unbacked():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
-    import moepass.ops.ep_permute  # noqa: F401
+    import moepass.ops.ep.permute  # noqa: F401
 
     with FakeTensorMode(shape_env=ShapeEnv()):
         pair_row, pair_slot = torch.ops.moepass.ep_expert_major_pairs(torch.empty(5, 2, dtype=torch.int64), 4)

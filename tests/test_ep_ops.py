@@ -36,7 +36,7 @@ from helpers import (  # noqa: F401  (rank_pool: a fixture)
 
 
 def check_choose_ep_backend(rank, world_size, *_):
-    from moepass.ops.ep_dispatch_combine import choose_ep_backend
+    from moepass.ops.ep.dispatch_combine import choose_ep_backend
 
     name, reason = choose_ep_backend(None, "cpu", 8)
     assert name == "reference" and "cpu" in reason
@@ -167,7 +167,7 @@ def stand_in_deep_ep():
 
 def with_stand_in_deep_ep(rank, world_size, check, *args):
     """Run check with `import deep_ep` giving the stand-in, then put everything back."""
-    from moepass.ops import ep_deepep
+    from moepass.ops.ep import deepep as ep_deepep
 
     sys.modules["deep_ep"] = stand_in_deep_ep()
     ep_deepep._import_deep_ep.cache_clear()
@@ -181,7 +181,7 @@ def with_stand_in_deep_ep(rank, world_size, check, *args):
 
 
 def check_buffer_reused_and_grown(rank, world_size):
-    from moepass.ops import ep_deepep
+    from moepass.ops.ep import deepep as ep_deepep
 
     for hidden in (16, 64, 16):
         problem = EpProblem(world_size, hidden=hidden)
@@ -235,7 +235,7 @@ def test_fake_dispatch_gives_unbacked_receive_size_reused_downstream():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
-    import moepass.ops.ep_dispatch_combine  # noqa: F401
+    import moepass.ops.ep.dispatch_combine  # noqa: F401
 
     with FakeTensorMode(shape_env=ShapeEnv()):
         x = torch.empty(6, 16, dtype=torch.bfloat16)
@@ -260,7 +260,7 @@ def test_fake_dispatch_gives_unbacked_receive_size_reused_downstream():
     [(7168, None), (1000, "multiple of 16"), (8192, "limit of 8176")],
 )
 def test_deepep_hidden_limits(hidden, reason):
-    from moepass.ops.ep_deepep import hidden_unsupported_reason
+    from moepass.ops.ep.deepep import hidden_unsupported_reason
 
     got = hidden_unsupported_reason(hidden)
     assert got is None if reason is None else reason in got
@@ -274,7 +274,7 @@ def test_fake_dispatch_rejects_bad_arguments(num_experts, backend, error):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    import moepass.ops.ep_dispatch_combine  # noqa: F401
+    import moepass.ops.ep.dispatch_combine  # noqa: F401
 
     with FakeTensorMode(shape_env=ShapeEnv()), pytest.raises(error):
         torch.ops.moepass.ep_dispatch(

@@ -48,7 +48,7 @@ def test_deepep_backend_meets_the_same_expectations(check, nccl_ranks):
 
 
 def check_deepep_equals_reference(rank, world_size, hidden):
-    from moepass.ops.ep_dispatch_combine import group_args
+    from moepass.ops.ep.dispatch_combine import group_args
 
     problem = problem_for(world_size, "cuda")
     problem.hidden = hidden
@@ -93,8 +93,8 @@ def test_deepep_buffer_grows_for_wider_tokens_and_is_reused(nccl_ranks):
 
 
 def check_one_buffer_per_group(rank, world_size, widest_hidden):
-    from moepass.ops import ep_deepep
-    from moepass.ops.ep_dispatch_combine import group_args
+    from moepass.ops.ep import deepep as ep_deepep
+    from moepass.ops.ep.dispatch_combine import group_args
 
     assert list(ep_deepep._buffers) == [group_args()[1]]
     buffer_cls = ep_deepep.deep_ep_module().Buffer
@@ -104,7 +104,7 @@ def check_one_buffer_per_group(rank, world_size, widest_hidden):
 
 
 def check_choose_ep_backend_picks_deepep(rank, world_size):
-    from moepass.ops.ep_dispatch_combine import choose_ep_backend
+    from moepass.ops.ep.dispatch_combine import choose_ep_backend
 
     name, reason = choose_ep_backend(None, "cuda", 16)
     assert name == "deepep" and "2 ranks" in reason, reason

@@ -320,8 +320,8 @@ def test_region_is_skipped_with_its_reason(change, sizes, anchor, reason):
     assert regions == []
     (skip,) = skips
     assert reason in skip.reason
-    documented = explain(skip.reason)  # the README's "what moepass will not rewrite" table has it
-    assert documented is not None and documented.passes == "deepep", skip.reason
+    documented = explain(skip)  # its code: the README's "what moepass will not rewrite" table has it
+    assert documented is not None and documented.passes == "deepep" and documented.phrase in skip.reason, skip
     a2as = _all_to_alls(gm)
     expected = {"counts": a2as[0], "tokens": a2as[-2], "combine": a2as[-1]}[anchor]
     assert skip.node is expected and skip.module == ""
@@ -368,10 +368,10 @@ def _experts_input(gm) -> torch.fx.Node:
 
 def _sm90(monkeypatch):
     """recipe="auto" decides as on an H200 (the graph's tensors stay on the CPU)."""
-    from moepass import fp8_recipe
-    from moepass.ops.device_arch import CudaDevice
+    from moepass.device_arch import CudaDevice
+    from moepass.recipes import auto
 
-    monkeypatch.setattr(fp8_recipe, "probe", lambda device, *_: CudaDevice("cuda:0", (9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(auto, "probe", lambda device, *_: CudaDevice("cuda:0", (9, 0), "NVIDIA H200"))
 
 
 def test_experts_expect_the_rows_this_rank_sends():
@@ -421,28 +421,28 @@ def test_at_671b_dims_with_ep2_the_experts_follow_the_table_measured_on_received
     """The issue's EP=2 case: 64 experts (32 a rank), top-8. Received rows run the opaque op (unfused quantization), so
     auto reads the table's grouped_received curve: at 8,192 tokens a rank (2,048 rows per local expert on average)
     FP8 measured 0.97x there (1.07x on static rows): BF16; at 16,384 tokens a rank (4,096) 1.04x: FP8."""
-    from moepass import fp8_auto_table, fp8_recipe
+    from moepass.recipes import auto, auto_table
     from moepass.analysis.routed_rows import ExpectedRows
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     _sm90(monkeypatch)
     received = ShapeEnv().create_unbacked_symint()
     curve = {r["tokens_per_expert"]: r["speedup"] for r in
-             json.loads(fp8_auto_table.SHIPPED.read_text())["grouped_received"] if r["dim"] == 7168}
+             json.loads(auto_table.SHIPPED.read_text())["grouped_received"] if r["dim"] == 7168}
     for k, n in ((7168, 2048), (7168, 4096), (2048, 7168)):  # w1, w1|w3 fused, w2
         for tokens_per_rank, per_expert in ((8192, 2048), (16384, 4096)):
-            recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, k, n, experts=32,
+            recipe, why = auto.choose_recipe("cuda", "grouped", received, k, n, experts=32,
                                                    expected=lambda t=tokens_per_rank: ExpectedRows(t * 8, "sent"))
-            want = "fp8_rowwise" if curve[per_expert] >= fp8_auto_table.MIN_SPEEDUP else "bf16"
+            want = "fp8_rowwise" if curve[per_expert] >= auto_table.MIN_SPEEDUP else "bf16"
             assert recipe == want and f"expected M={tokens_per_rank * 8}" in why and "received" in why, why
             assert f"{curve[per_expert]:.2f}x" in why
-    recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 2048, 1408, experts=32,
+    recipe, why = auto.choose_recipe("cuda", "grouped", received, 2048, 1408, experts=32,
                                            expected=lambda: ExpectedRows(16384 * 8, "sent"))
     assert recipe == "bf16" and "too small" in why  # 16B: the size rule (static rows lost there already)
-    recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 8192, 8192, experts=32,
+    recipe, why = auto.choose_recipe("cuda", "grouped", received, 8192, 8192, experts=32,
                                            expected=lambda: ExpectedRows(16384 * 8, "sent"))
     assert recipe == "bf16" and "not measured" in why and "--received-rows" in why  # big enough, but no curve
-    recipe, why = fp8_recipe.choose_recipe("cuda", "grouped", received, 7168, 2048, experts=32)
+    recipe, why = auto.choose_recipe("cuda", "grouped", received, 7168, 2048, experts=32)
     assert recipe == "bf16" and "tokens per expert unknown" in why  # no exchange upstream: as before
 
 

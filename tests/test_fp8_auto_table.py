@@ -1,15 +1,15 @@
-"""moepass/fp8_auto_table.py: the measured per-GEMM, per-token-count table behind recipe="auto" on Hopper."""
+"""moepass/recipes/auto_table.py: the measured per-GEMM, per-token-count table behind recipe="auto" on Hopper."""
 
 import json
 
 import pytest
 
-from moepass import fp8_auto_table
-from moepass.fp8_auto_table import MIN_SPEEDUP, AutoTable
+from moepass.recipes import auto_table
+from moepass.recipes.auto_table import MIN_SPEEDUP, AutoTable
 
 
 def table(linear=(), grouped=()) -> AutoTable:
-    return AutoTable({"schema": fp8_auto_table.SCHEMA, "gpu": "Test GPU", "capability": [9, 0],
+    return AutoTable({"schema": auto_table.SCHEMA, "gpu": "Test GPU", "capability": [9, 0],
                       "linear": [{"K": k, "N": n, "tokens": t, "speedup": s} for k, n, t, s in linear],
                       "grouped": [{"dim": d, "inter": i, "tokens_per_expert": t, "speedup": s}
                                   for d, i, t, s in grouped]}, "test table")
@@ -54,9 +54,9 @@ def test_a_table_of_another_schema_is_refused_saying_how_to_re_derive_it():
 
 
 def test_the_shipped_table_loads_and_answers_each_row_with_its_own_measurement():
-    shipped = fp8_auto_table.shipped()
+    shipped = auto_table.shipped()
     assert shipped is not None and shipped.capability == (9, 0) and "H200" in shipped.gpu
-    data = json.loads(fp8_auto_table.SHIPPED.read_text())
+    data = json.loads(auto_table.SHIPPED.read_text())
     assert data["linear"] and data["grouped"] and data["commit"] and "--auto-table" in data["command"]
     for r in data["linear"]:
         assert shipped.linear(r["K"], r["N"], r["tokens"]).speedup == r["speedup"]
@@ -68,15 +68,15 @@ def test_the_shipped_table_loads_and_answers_each_row_with_its_own_measurement()
 def test_the_table_decides_only_on_the_gpu_kind_it_was_measured_on(monkeypatch):
     import torch
 
-    from moepass import fp8_recipe
+    from moepass.recipes import auto
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(fp8_auto_table, "shipped", lambda: table(linear=[(4096, 4096, 16384, 0.5)]))
+    monkeypatch.setattr(auto_table, "shipped", lambda: table(linear=[(4096, 4096, 16384, 0.5)]))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, 4096)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)
     assert recipe == "bf16" and "0.50x" in reason and "test table" in reason
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # the size rule
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, 4096)
-    assert recipe == "fp8_rowwise" and fp8_recipe.THRESHOLDS_SOURCE in reason
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)
+    assert recipe == "fp8_rowwise" and auto.THRESHOLDS_SOURCE in reason

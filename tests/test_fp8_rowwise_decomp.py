@@ -1,4 +1,4 @@
-"""moepass/ops/fp8_rowwise_decomp.py on CPU: the FP8-rowwise ops' "scaled_mm" kernel as plain torch.
+"""moepass/ops/lowp/fp8_rowwise/decomp.py on CPU: the FP8-rowwise ops' "scaled_mm" kernel as plain torch.
 
 torch._scaled_mm has a CPU kernel, so the linear's decomposition runs for real here (kernel choice
 patched to allow "scaled_mm" on CPU). torch._scaled_grouped_mm has none: a CPU stand-in that checks
@@ -16,8 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.cache_key import CompiledGraphAudit
-from moepass.ops import fp8_rowwise_decomp as decomp
-from moepass.ops import fp8_rowwise_quant as quant
+from moepass.ops.lowp.fp8_rowwise import decomp, quant
 from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs
 from helpers import fp8_rowwise_op_grouped as op_grouped
 from helpers import fp8_rowwise_op_linear as op_linear
@@ -393,12 +392,15 @@ def test_linear_both_layouts_keeps_plain_rows_where_tokens_may_be_zero():
 
 
 def test_linear_both_layouts_option_reaches_the_compile_cache_key_and_needs_the_fp8_wgrad():
-    from moepass.cache_key import decomposition_variant
     from moepass.options import Config
+    from moepass.recipes import cache_variant
 
-    assert decomposition_variant(Config.from_options({})) == ""
-    variant = decomposition_variant(Config.from_options({"fp8_rowwise.linear_both_layouts": "grads"}))
+    assert cache_variant(Config.from_options({})) == ""
+    variant = cache_variant(Config.from_options({"fp8_rowwise.linear_both_layouts": "grads"}))
     assert variant == "fp8_rowwise.linear_both_layouts=grads"
+    both = cache_variant(Config.from_options({"fp8_rowwise.linear_weights_once": True,
+                                              "fp8_rowwise.expert_weights_once": True}))
+    assert both == "fp8_rowwise.expert_weights_once=True+fp8_rowwise.linear_weights_once=True"
     assert CompiledGraphAudit(variant=variant).uuid() != CompiledGraphAudit().uuid()
     with pytest.raises(ValueError, match="fp8_rowwise.wgrad_bf16"):
         Config.from_options({"fp8_rowwise.linear_both_layouts": "grads", "fp8_rowwise.wgrad_bf16": True})

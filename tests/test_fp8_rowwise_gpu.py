@@ -9,11 +9,10 @@ import math
 import pytest
 import torch
 
-import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers the ops)
-import moepass.ops.fp8_rowwise_linear  # noqa: F401
-from moepass import fp8_recipe
-from moepass.ops import fp8_rowwise_quant as quant
-from moepass.ops.fp8_rowwise_kernels import choose_fp8_rowwise_kernel
+import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
+from moepass.recipes import auto
+from moepass.ops.lowp.fp8_rowwise import quant
+from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
 from moepass.options import OPTIONS
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs, linear_reference,
@@ -40,17 +39,17 @@ def test_cuda_device_reports_its_kernel_choice():
 
 @needs_sm90
 def test_recipe_auto_on_hopper_follows_the_measured_table():
-    from moepass import fp8_auto_table
+    from moepass.recipes import auto_table
 
-    table = fp8_auto_table.shipped()
+    table = auto_table.shipped()
     on_table_gpu = table is not None and table.capability == CC
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 10944)  # 16B dense FFN: 1.14x
-    assert recipe == "fp8_rowwise" and (not on_table_gpu or fp8_auto_table.SHIPPED.name in reason), reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 64 * 3072, 2048, 1408, experts=64)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 2048, 10944)  # 16B dense FFN: 1.14x
+    assert recipe == "fp8_rowwise" and (not on_table_gpu or auto_table.SHIPPED.name in reason), reason
+    recipe, reason = auto.choose_recipe("cuda", "grouped", 64 * 3072, 2048, 1408, experts=64)
     assert recipe == "bf16", reason  # the 16B expert MLP lost at every load measured
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 64 * 2048, 7168, 2048, experts=64)
+    recipe, reason = auto.choose_recipe("cuda", "grouped", 64 * 2048, 7168, 2048, experts=64)
     assert recipe == "fp8_rowwise", reason  # 671B dims: 1.05x at 2048 tokens per expert
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 64)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 2048, 64)
     assert recipe == "bf16" and "too small" in reason
 
 
@@ -90,7 +89,7 @@ def test_expert_weight_quantization_equals_the_reference():
 @pytest.mark.parametrize("sizes, trailing", [([10, 0, 50, 40], 7), ([100, 33, 0, 0, 17], 3), ([0, 0, 5], 0),
                                              ([1024] * 8, 0)])
 def test_token_group_quantization_writes_the_padded_wgrad_layout(sizes, trailing):
-    from moepass.ops.fp8_rowwise_triton import token_group_cols_padded
+    from moepass.ops.lowp.fp8_rowwise.triton_kernels import token_group_cols_padded
 
     d = 96
     x = _wide_range((sum(sizes) + trailing, d), seed=len(sizes))
@@ -109,7 +108,7 @@ def test_token_group_quantization_writes_the_padded_wgrad_layout(sizes, trailing
 
 
 def test_zero_rows_from_group_end():
-    from moepass.ops.fp8_rowwise_triton import zero_rows_from_group_end_
+    from moepass.ops.lowp.fp8_rowwise.triton_kernels import zero_rows_from_group_end_
 
     out = torch.randn(300, 80, device="cuda", dtype=torch.bfloat16)
     want = out.clone()
@@ -243,7 +242,7 @@ def _compiled_with_decompositions(fn, sink, expert_weights_once=False, linear_bo
     from torch._inductor.compile_fx import compile_fx
 
     from moepass.cache_key import CompiledGraphAudit
-    from moepass.ops.fp8_rowwise_decomp import inductor_decompositions
+    from moepass.ops.lowp.fp8_rowwise.decomp import inductor_decompositions
 
     audit = CompiledGraphAudit(sink, variant=f"{expert_weights_once}-{linear_both_layouts}")
 
@@ -258,7 +257,7 @@ def _compiled_with_decompositions(fn, sink, expert_weights_once=False, linear_bo
 @needs_fp8
 @pytest.mark.parametrize("shape", [(64, 48), (1000, 256), (4096, 2048)])
 def test_inductor_fused_quantization_equals_eager_bit_for_bit(shape):
-    from moepass.ops import fp8_rowwise_decomp as decomp
+    from moepass.ops.lowp.fp8_rowwise import decomp
 
     t = _wide_range(shape, seed=shape[0] + 1)
     for fn in (decomp.rows, decomp.cols):
@@ -317,7 +316,7 @@ def test_compiled_decomposed_grouped_matches_eager_and_clears_bars(case):
 @pytest.mark.parametrize("shape", [(4, 96, 64), (3, 200, 136), (64, 1408, 2048)])
 @pytest.mark.parametrize("layout", ["transposed", "contiguous"])
 def test_expert_weights_kernels_equal_the_reference_bit_for_bit(shape, layout):
-    from moepass.ops import fp8_rowwise_decomp as decomp
+    from moepass.ops.lowp.fp8_rowwise import decomp
 
     e, n, k = shape
     w = (torch.randn(e, n, k, device="cuda") / k**0.5).to(torch.bfloat16)
@@ -354,7 +353,7 @@ def test_compiled_grouped_with_expert_weights_once_equals_the_default():
 @pytest.mark.parametrize("shape", [(64, 48), (1000, 256), (4096, 2048), (16384, 1536), (32784, 65600)])
 def test_rows_and_cols_kernels_equal_the_reference_bit_for_bit(shape):
     """The last shape has more than 2^31 elements: the kernels index in 64 bits."""
-    from moepass.ops import fp8_rowwise_decomp as decomp
+    from moepass.ops.lowp.fp8_rowwise import decomp
 
     t = _wide_range(shape, seed=shape[0] + 7)
     got = ops.fp8_rowwise_rows_and_cols(t)

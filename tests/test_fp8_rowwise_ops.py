@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import moepass.ops.fp8_rowwise_grouped_mm  # noqa: F401  (registers the ops before moepass.ops lists them)
-import moepass.ops.fp8_rowwise_linear  # noqa: F401
-from moepass import fp8_auto_table, fp8_recipe
-from moepass.ops.fp8_rowwise_kernels import choose_fp8_rowwise_kernel
+import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
+from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
+from moepass.recipes import FP8_ROWWISE, RECIPES, auto, auto_table
+from moepass.recipes.plan import resolve_recipe
+from moepass.skips import SkipCode
 from moepass.options import OPTIONS, OptionsError
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (OpsCalled, assert_all_equal, assert_sqnr, block_inputs, call_targets, forward_backward,
@@ -123,7 +124,7 @@ def test_emulated_linear_equals_torch_scaled_mm_on_the_same_operands():
 
 
 def test_scales_are_powers_of_two_and_the_row_max_lands_in_the_top_binade():
-    from moepass.ops import fp8_rowwise_quant as quant
+    from moepass.ops.lowp.fp8_rowwise import quant
 
     t = torch.randn(32, 64).to(BF16) * torch.logspace(-6, 6, 64, base=2).to(BF16)
     q, scale = quant.quantize(t, 0)
@@ -385,56 +386,56 @@ def _symint(hint: int | None):
 
 
 def test_cpu_gets_emulated_mxfp8():
-    recipe, reason = fp8_recipe.choose_recipe("cpu", "linear", 16384, 2048, 3072)
+    recipe, reason = auto.choose_recipe("cpu", "linear", 16384, 2048, 3072)
     assert recipe == "mxfp8" and "CPU" in reason and "emulated" in reason
 
 
 def test_sm100_gets_mxfp8(cuda_capability):
     cuda_capability(10, 0)
     for kind in ("linear", "grouped"):
-        recipe, reason = fp8_recipe.choose_recipe("cuda", kind, 16384, 2048, 1408, experts=16)
+        recipe, reason = auto.choose_recipe("cuda", kind, 16384, 2048, 1408, experts=16)
         assert recipe == "mxfp8" and "sm_100" in reason
 
 
 def test_sm90_large_gemms_get_fp8_rowwise_from_the_table_or_the_size_rule(cuda_capability):
     cuda_capability(9, 0)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 32768, 2048, 3072)  # 16B wq: in the table
+    recipe, reason = auto.choose_recipe("cuda", "linear", 32768, 2048, 3072)  # 16B wq: in the table
     assert recipe == "fp8_rowwise" and "sm_90" in reason and "at M=32768" in reason
-    assert fp8_auto_table.SHIPPED.name in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, 4096)  # not in it: the size rule
-    assert recipe == "fp8_rowwise" and "M=16384" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
+    assert auto_table.SHIPPED.name in reason
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)  # not in it: the size rule
+    assert recipe == "fp8_rowwise" and "M=16384" in reason and auto.THRESHOLDS_SOURCE in reason
 
 
 def test_sm90_grouped_gemms_outside_the_table_take_fp8_only_at_the_rules_load(cuda_capability, monkeypatch):
     cuda_capability(9, 0)
-    need = fp8_recipe.FP8_ROWWISE_MIN["grouped"]
+    need = auto.FP8_ROWWISE_MIN["grouped"]
     per_expert = math.ceil(need.work / (4096 * 3072))  # the work per expert group decides, not tokens alone
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 4096, 3072, experts=16)
-    assert recipe == "fp8_rowwise" and fp8_recipe.THRESHOLDS_SOURCE in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 8, 4096, 3072, experts=16)
+    recipe, reason = auto.choose_recipe("cuda", "grouped", per_expert * 16, 4096, 3072, experts=16)
+    assert recipe == "fp8_rowwise" and auto.THRESHOLDS_SOURCE in reason
+    recipe, reason = auto.choose_recipe("cuda", "grouped", per_expert * 8, 4096, 3072, experts=16)
     assert recipe == "bf16" and f"tokens per expert*K*N={per_expert // 2 * 4096 * 3072:.3g}" in reason, reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", (need.tokens - 1) * 16, 65536, 65536, experts=16)
+    recipe, reason = auto.choose_recipe("cuda", "grouped", (need.tokens - 1) * 16, 65536, 65536, experts=16)
     assert recipe == "bf16" and f"tokens per expert={need.tokens - 1} < {need.tokens}" in reason
-    monkeypatch.setitem(fp8_recipe.FP8_ROWWISE_MIN, "grouped", None)  # a GPU where FP8 never won
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", per_expert * 16, 4096, 3072, experts=16)
-    assert recipe == "bf16" and "slower than BF16" in reason and fp8_recipe.THRESHOLDS_SOURCE in reason
+    monkeypatch.setitem(auto.FP8_ROWWISE_MIN, "grouped", None)  # a GPU where FP8 never won
+    recipe, reason = auto.choose_recipe("cuda", "grouped", per_expert * 16, 4096, 3072, experts=16)
+    assert recipe == "bf16" and "slower than BF16" in reason and auto.THRESHOLDS_SOURCE in reason
 
 
 def test_sm90_expert_gemms_of_a_measured_mlp_follow_its_table_rows(cuda_capability):
     cuda_capability(9, 0)
     # 671B dims: the expert MLP won from 2048 tokens per expert; 16B dims lost at every load measured
     for k, n in ((7168, 2048), (2048, 7168)):
-        assert fp8_recipe.choose_recipe("cuda", "grouped", 2048 * 64, k, n, experts=64)[0] == "fp8_rowwise"
-        recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 1024 * 64, k, n, experts=64)
+        assert auto.choose_recipe("cuda", "grouped", 2048 * 64, k, n, experts=64)[0] == "fp8_rowwise"
+        recipe, reason = auto.choose_recipe("cuda", "grouped", 1024 * 64, k, n, experts=64)
         assert recipe == "bf16" and "expert MLP dim=7168 inter=2048" in reason, reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 3072 * 64, 2048, 1408, experts=64)
+    recipe, reason = auto.choose_recipe("cuda", "grouped", 3072 * 64, 2048, 1408, experts=64)
     assert recipe == "bf16" and "interpolated" in reason and "does not pay" in reason
 
 
 def test_sm90_grouped_gemms_with_unknown_tokens_stay_bf16(cuda_capability):
     cuda_capability(9, 0)
     for m in (None, _Unbacked()):
-        recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", m, 2048, 1408, experts=16)
+        recipe, reason = auto.choose_recipe("cuda", "grouped", m, 2048, 1408, experts=16)
         assert recipe == "bf16" and "tokens per expert unknown at compile time" in reason, reason
 
 
@@ -446,48 +447,48 @@ class _Unbacked:
 
 
 def test_wgrad_bf16_auto_keeps_grouped_wgrads_bf16_and_linear_wgrads_fp8():
-    assert fp8_recipe.fp8_rowwise_wgrad_bf16("auto", "grouped")[0] is True
-    assert fp8_recipe.fp8_rowwise_wgrad_bf16("auto", "linear") == (False, "wgrad FP8")
+    assert FP8_ROWWISE.choose_wgrad_bf16("auto", "grouped")[0] is True
+    assert FP8_ROWWISE.choose_wgrad_bf16("auto", "linear") == (False, "wgrad FP8")
     for kind in ("linear", "grouped"):
-        assert fp8_recipe.fp8_rowwise_wgrad_bf16(False, kind) == (False, "wgrad FP8: fp8_rowwise.wgrad_bf16=False requested")
-        assert fp8_recipe.fp8_rowwise_wgrad_bf16(True, kind)[0] is True
+        assert FP8_ROWWISE.choose_wgrad_bf16(False, kind) == (False, "wgrad FP8: fp8_rowwise.wgrad_bf16=False requested")
+        assert FP8_ROWWISE.choose_wgrad_bf16(True, kind)[0] is True
 
 
 def test_sm90_small_gemms_stay_bf16_saying_why(cuda_capability):
     cuda_capability(9, 0)
-    need = fp8_recipe.FP8_ROWWISE_MIN["linear"]  # shapes the table does not hold: the size rule
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, need.n // 2)
+    need = auto.FP8_ROWWISE_MIN["linear"]  # shapes the table does not hold: the size rule
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, need.n // 2)
     assert recipe == "bf16" and reason.startswith("left in BF16: too small for FP8 to win")
     assert f"N={need.n // 2} < {need.n}" in reason and f"M*K*N={16384 * 4096 * (need.n // 2):.3g}" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", need.tokens // 2, 4096, 4096)
+    recipe, reason = auto.choose_recipe("cuda", "linear", need.tokens // 2, 4096, 4096)
     assert recipe == "bf16" and f"tokens={need.tokens // 2}" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, need.k // 2, 4096)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, need.k // 2, 4096)
     assert recipe == "bf16" and f"K={need.k // 2} < {need.k}" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 3072, 3072)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 3072, 3072)
     assert recipe == "bf16" and f"K*N={3072 * 3072:.3g} < {need.work:.3g}" in reason
     # a shape the table holds: its measurement decides (16B attention.wo lost at M=16384)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 2048, 2048)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 2048, 2048)
     assert recipe == "bf16" and "does not pay" in reason and "at M=16384" in reason
-    assert fp8_recipe.choose_recipe("cuda", "linear", 16384, 7168, 1536)[0] == "fp8_rowwise"  # 671B wq_a: 1.06x
-    assert fp8_recipe.choose_recipe("cuda", "linear", 8192, 7168, 1536)[0] == "bf16"  # 0.99x at 8192
+    assert auto.choose_recipe("cuda", "linear", 16384, 7168, 1536)[0] == "fp8_rowwise"  # 671B wq_a: 1.06x
+    assert auto.choose_recipe("cuda", "linear", 8192, 7168, 1536)[0] == "bf16"  # 0.99x at 8192
 
 
 def test_sm90_decides_on_k_and_n_when_m_is_unknown_and_says_so(cuda_capability):
     cuda_capability(9, 0)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(None), 4096, 4096)
+    recipe, reason = auto.choose_recipe("cuda", "linear", _symint(None), 4096, 4096)
     assert recipe == "fp8_rowwise" and "unknown at compile time" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(32768), 2048, 3072)
+    recipe, reason = auto.choose_recipe("cuda", "linear", _symint(32768), 2048, 3072)
     assert recipe == "fp8_rowwise" and "example M=32768" in reason
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", _symint(64), 2048, 3072)
+    recipe, reason = auto.choose_recipe("cuda", "linear", _symint(64), 2048, 3072)
     assert recipe == "bf16" and "below the smallest measured" in reason  # the example M decides when there is one
-    recipe, _ = fp8_recipe.choose_recipe("cuda", "grouped", None, 2048, 512, experts=8)
+    recipe, _ = auto.choose_recipe("cuda", "grouped", None, 2048, 512, experts=8)
     assert recipe == "bf16"
 
 
 def test_sm89_has_fp8_linears_but_no_fp8_grouped_gemm(cuda_capability):
     cuda_capability(8, 9)
-    assert fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, 4096)[0] == "fp8_rowwise"
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "grouped", 16384, 4096, 4096, experts=8)
+    assert auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)[0] == "fp8_rowwise"
+    recipe, reason = auto.choose_recipe("cuda", "grouped", 16384, 4096, 4096, experts=8)
     assert recipe == "bf16" and "sm_90" in reason
     kernel, reason = choose_fp8_rowwise_kernel(torch.device("cuda"), grouped=True)
     assert kernel == "emulated" and "sm_89" in reason
@@ -495,36 +496,39 @@ def test_sm89_has_fp8_linears_but_no_fp8_grouped_gemm(cuda_capability):
 
 def test_sm80_stays_bf16(cuda_capability):
     cuda_capability(8, 0)
-    recipe, reason = fp8_recipe.choose_recipe("cuda", "linear", 16384, 4096, 4096)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)
     assert recipe == "bf16" and "no FP8 tensor cores" in reason
 
 
 def test_explicit_recipe_is_honoured_and_bad_names_rejected():
-    assert fp8_recipe.resolve_recipe("fp8_rowwise", "cpu", "linear", 8, 16, 16) == (
+    assert resolve_recipe("fp8_rowwise", "cpu", "linear", 8, 16, 16) == (
         "fp8_rowwise", "recipe='fp8_rowwise' requested")
-    assert fp8_recipe.resolve_recipe("auto", "cpu", "grouped", 8, 64, 64, experts=2)[0] == "mxfp8"
+    assert resolve_recipe("auto", "cpu", "grouped", 8, 64, 64, experts=2)[0] == "mxfp8"
     with pytest.raises(OptionsError, match=r"'auto', 'mxfp8', 'fp8_rowwise'"):
-        fp8_recipe.resolve_recipe("fp8", "cpu", "linear", 8, 16, 16)
+        resolve_recipe("fp8", "cpu", "linear", 8, 16, 16)
 
 
 def test_shape_rules_per_recipe():
-    assert fp8_recipe.recipe_shape_problem("fp8_rowwise", 48, 16) is None
-    assert fp8_recipe.recipe_shape_problem("fp8_rowwise", 40, 16) == "fp8_rowwise: K=40 not a multiple of 16"
-    assert fp8_recipe.recipe_shape_problem("mxfp8", 48, 64) == "mxfp8: K=48 not a multiple of 32"
+    assert RECIPES["fp8_rowwise"].shape_problem(48, 16) is None
+    problem = RECIPES["fp8_rowwise"].shape_problem(40, 16)
+    assert (problem.code, problem.text) == (SkipCode.NOT_A_MULTIPLE, "fp8_rowwise: K=40 not a multiple of 16")
+    assert RECIPES["mxfp8"].shape_problem(48, 64).text == "mxfp8: K=48 not a multiple of 32"
+    problem = RECIPES["mxfp8"].shape_problem(0, 64)
+    assert (problem.code, problem.text) == (SkipCode.EMPTY_GEMM, "mxfp8: empty GEMM (K=0, N=64): nothing to quantize")
 
 
 def test_fp8_rowwise_kernel_option(cuda_capability, monkeypatch):
-    assert fp8_recipe.fp8_rowwise_kernel("auto", "cpu", grouped=True)[0] == "emulated"
+    assert FP8_ROWWISE.choose_kernel("auto", "cpu", "grouped")[0] == "emulated"
     with pytest.raises(OptionsError, match=r"fp8_rowwise.kernel='scaled_mm' requested but CPU"):
-        fp8_recipe.fp8_rowwise_kernel("scaled_mm", "cpu", grouped=False)
+        FP8_ROWWISE.choose_kernel("scaled_mm", "cpu", "linear")
     cuda_capability(9, 0)
-    monkeypatch.setattr("moepass.ops.fp8_rowwise_kernels._triton_available", lambda: True)
-    kernel, reason = fp8_recipe.fp8_rowwise_kernel("auto", "cuda", grouped=True)
+    monkeypatch.setattr("moepass.ops.lowp.fp8_rowwise.kernels._triton_available", lambda: True)
+    kernel, reason = FP8_ROWWISE.choose_kernel("auto", "cuda", "grouped")
     assert kernel == "scaled_mm" and "torch._scaled_grouped_mm" in reason and "sm_90" in reason
-    kernel, reason = fp8_recipe.fp8_rowwise_kernel("emulated", "cuda", grouped=False)
+    kernel, reason = FP8_ROWWISE.choose_kernel("emulated", "cuda", "linear")
     assert kernel == "emulated" and "fp8_rowwise.kernel='emulated' requested" in reason
-    monkeypatch.setattr("moepass.ops.fp8_rowwise_kernels._triton_available", lambda: False)
-    kernel, reason = fp8_recipe.fp8_rowwise_kernel("auto", "cuda", grouped=False)
+    monkeypatch.setattr("moepass.ops.lowp.fp8_rowwise.kernels._triton_available", lambda: False)
+    kernel, reason = FP8_ROWWISE.choose_kernel("auto", "cuda", "linear")
     assert kernel == "emulated" and "Triton is unavailable" in reason
 
 
@@ -596,6 +600,6 @@ def test_sm90_at_671b_dims_with_8192_tokens_per_rank_rewrites_the_linears_the_ta
     shapes = {"attention.wq_a": (7168, 1536), "attention.wq_b": (1536, 24576), "attention.wkv_a": (7168, 576),
               "attention.wkv_b": (512, 32768), "attention.wo": (16384, 7168), "shared_experts.w1": (7168, 2048),
               "shared_experts.w2": (2048, 7168), "dense_ffn.w1": (7168, 18432), "dense_ffn.w2": (18432, 7168)}
-    picks = {name: fp8_recipe.choose_recipe("cuda", "linear", 8192, k, n)[0] for name, (k, n) in shapes.items()}
+    picks = {name: auto.choose_recipe("cuda", "linear", 8192, k, n)[0] for name, (k, n) in shapes.items()}
     assert {name for name, recipe in picks.items() if recipe == "fp8_rowwise"} == {
         "attention.wq_b", "attention.wo", "shared_experts.w1", "shared_experts.w2", "dense_ffn.w1", "dense_ffn.w2"}

@@ -215,6 +215,20 @@ def test_fp8_rowwise_decompositions_reach_inductor(scaled_mm_on_cpu):
     assert not [op for op in (*forward, *backward) if op.startswith("moepass.")], (forward, backward)
 
 
+def test_decompositions_installed_after_an_earlier_compile_reach_inductor():
+    """Inductor reads its default table through a copy it caches on first use: an installation after an earlier
+    compile in the process (another test, a BF16 warm-up) must still be seen, and an uninstalled one must not."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    import moepass.ops  # noqa: F401  (registers the op the decomposition is keyed on)
+
+    op = torch.ops.moepass.fp8_rowwise_linear.default
+    select_decomp_table()  # what any earlier Inductor compile did
+    with inductor_route.route({"recipe": "fp8_rowwise"}):
+        assert op in select_decomp_table()
+    assert op not in select_decomp_table()
+
+
 @pytest.mark.skipif(TORCH < (2, 12), reason="torch 2.11 has no pre_grad_pass_timing (its pre-grad passes run before "
                     "every cache lookup) and, on the H200 with 2.11.0+cu130, served this graph from neither cache")
 def test_a_warm_cache_still_reports_every_rewrite(tmp_path):

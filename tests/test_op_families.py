@@ -1,6 +1,7 @@
-"""The low-precision op families (moepass/ops/linear.py, grouped_mm.py), one per GEMM kind, instantiated per
-recipe (op_recipe.OpRecipe): shared checks in the same words for every recipe, one device probe, leaf GEMM
-primitives. Each recipe's numerics are in test_mxfp8_ops.py and test_fp8_rowwise_ops.py."""
+"""The low-precision op families (moepass/ops/lowp/linear.py, grouped_mm.py), one per GEMM kind, instantiated per
+recipe (moepass.recipes): shared checks in the same words for every recipe, one device probe, leaf GEMM
+primitives, every GEMM op known to moepass.op_registry. Each recipe's numerics are in test_mxfp8_ops.py and
+test_fp8_rowwise_ops.py."""
 
 import ast
 import pathlib
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
-from moepass.ops import device_arch, fp8_rowwise_decomp, scaled_gemms
-from moepass.ops.fp8_rowwise_recipe import FP8_ROWWISE
-from moepass.ops.mxfp8_recipe import MXFP8
+from moepass import device_arch
+from moepass.op_registry import GemmRole, gemm_role, is_exchange
+from moepass.ops.lowp.fp8_rowwise import decomp as fp8_rowwise_decomp
+from moepass.ops.lowp.fp8_rowwise import scaled_gemms
+from moepass.recipes import FP8_ROWWISE, MXFP8
 
 BF16 = torch.bfloat16
 RECIPES = {"mxfp8": (MXFP8, ("rceil",)), "fp8_rowwise": (FP8_ROWWISE, ())}  # recipe, its settings
@@ -20,7 +23,7 @@ RECIPES = {"mxfp8": (MXFP8, ("rceil",)), "fp8_rowwise": (FP8_ROWWISE, ())}  # re
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_gets_six_ops_whose_schemas_end_in_its_settings_and_kernel(name):
     recipe, _ = RECIPES[name]
-    own = [s.split()[-1] for s in recipe.settings]
+    own = [s.split()[-1] for s in recipe.op_settings]
     for gemm in ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad"):
         args = [a.name for a in recipe.op(gemm).default._schema.arguments]
         forward = gemm in ("linear", "grouped_mm")
@@ -72,4 +75,24 @@ def _moepass_imports(module) -> set[str]:
 
 def test_gemm_primitives_are_a_leaf_and_the_decomposition_imports_no_op_module():
     assert _moepass_imports(scaled_gemms) == set()
-    assert _moepass_imports(fp8_rowwise_decomp) == {"fp8_rowwise_quant", "formats", "scaled_gemms"}
+    assert _moepass_imports(fp8_rowwise_decomp) == {"quant", "formats", "scaled_gemms"}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_gemm_op_is_registered_with_its_kind_and_role(name):
+    recipe, _ = RECIPES[name]
+    for kind, family in (("linear", "linear"), ("grouped", "grouped_mm")):
+        for suffix, role in (("", "forward"), ("_dgrad", "dgrad"), ("_wgrad", "wgrad")):
+            op = recipe.op(family + suffix)
+            assert gemm_role(op) == gemm_role(op.default) == GemmRole(kind, role)
+
+
+def test_only_gemm_ops_have_a_gemm_role_and_only_ep_exchanges_are_exchanges():
+    ops = torch.ops.moepass
+    assert gemm_role(ops.grouped_mm_wgrad_bf16.default) == GemmRole("grouped", "wgrad")
+    for op in (ops.fp8_rowwise_rows_and_cols, ops.fp8_rowwise_expert_weights, ops.fp8_rowwise_token_group_cols,
+               ops.ep_dispatch, ops.ep_combine, ops.ep_expert_major_pairs, torch.ops.aten.mm):
+        assert gemm_role(op.default) is None, op
+    for op in (ops.ep_dispatch, ops.ep_combine, ops.ep_dispatch_cached, ops.ep_dispatch_backward):
+        assert is_exchange(op.default), op
+    assert not is_exchange(ops.ep_expert_major_pairs.default) and not is_exchange(ops.mxfp8_linear.default)

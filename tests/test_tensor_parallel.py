@@ -1,6 +1,6 @@
 """Tensor parallelism: moepass's low-precision GEMMs on DTensor shards, on 2 (and 4) gloo CPU ranks.
 
-Op level (moepass/ops/sharding.py): a colwise MXFP8 linear is the unsharded one bit for bit (its 1x32 blocks run
+Op level (moepass/ops/lowp/sharding.py): a colwise MXFP8 linear is the unsharded one bit for bit (its 1x32 blocks run
 along the unsharded K); a rowwise one differs only by the bf16 rounding of each rank's partial sum; FP8-rowwise
 scales per shard of K are no worse than unsharded. Pass level: the setup that crashed the compile before
 (`parallelize_module` with ColwiseParallel / RowwiseParallel on moepass's own model) compiles, rewrites and trains,

@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from moepass.graph import ancestors, tensor_meta
+from moepass.skips import SkipCode
 from .ep_region import EPRegion, Mismatch, expert_counts_candidates, expert_output_candidates
 from .evaluate import NotEvaluable
 from .evaluate import evaluate as evaluate_at
@@ -39,10 +40,12 @@ def check_region(gm: fx.GraphModule, region: EPRegion) -> None:
     depend on this rank's token count beyond what is checked on every rank (an empty batch is checked too).
     """
     if region.topk_weights is None or region.tokens_out is None:
-        raise Mismatch(region.combine_a2a.node, "the region's result and routing weights were not identified")
+        raise Mismatch(region.combine_a2a.node, SkipCode.NOT_IDENTIFIED,
+                       "the region's result and routing weights were not identified")
     if region.hidden < 1 + MAX_TOKEN_DIGITS:  # a fixed bar: the token count differs between ranks
-        raise Mismatch(region.token_a2a.node, f"hidden size {region.hidden} < {1 + MAX_TOKEN_DIGITS}: too narrow "
-                                              "to check which token each row carries")
+        raise Mismatch(region.token_a2a.node, SkipCode.TOO_NARROW,
+                       f"hidden size {region.hidden} < {1 + MAX_TOKEN_DIGITS}: too narrow "
+                       "to check which token each row carries")
     if region.num_tokens == 0:
         # an empty batch (this rank's alone, maybe): what it sends and its result are empty whatever the index
         # code does; the rows other ranks send here are checked as usual, and where the weights go is read off
@@ -52,8 +55,9 @@ def check_region(gm: fx.GraphModule, region: EPRegion) -> None:
         return
     slots = _check_send_side(gm, region)
     if (region.weights_applied == "before_experts") != region.weights_on_sent_rows:
-        raise Mismatch(region.token_a2a.node, "routing weights reach the rows sent but do not scale them (or the "
-                                              "reverse)", stage=SEND)
+        raise Mismatch(region.token_a2a.node, SkipCode.WEIGHTS_NOT_SCALING,
+                       "routing weights reach the rows sent but do not scale them (or the "
+                       "reverse)", stage=SEND)
     _check_receive_side(gm, region)
     _check_tokens_out(gm, region, slots)
     region.checked_routings = NUM_ROUTINGS
@@ -173,17 +177,21 @@ def _check_send_side(gm, region: EPRegion) -> list[torch.Tensor]:
             sent, *splits = _evaluate(region, gm, [tok.input, *split_nodes], {**leaves, **other_side},
                                       observe_at=tok.node)
         except NotEvaluable as e:
-            raise Mismatch(tok.node, f"rows or counts sent are not computed from x, expert ids and weights alone: {e}",
+            raise Mismatch(tok.node, SkipCode.NOT_COMPUTED_FROM,
+                           f"rows or counts sent are not computed from x, expert ids and weights alone: {e}",
                            stage=SEND)
         expected_counts = torch.bincount(_host(ids).reshape(-1), minlength=region.num_experts)
         if not torch.equal(_host(sent_counts).long().reshape(-1), expected_counts):
-            raise Mismatch(counts.node, "counts sent are not the number of top-k slots per expert", stage=SEND)
+            raise Mismatch(counts.node, SkipCode.SLOTS_DROPPED,
+                           "counts sent are not the number of top-k slots per expert", stage=SEND)
         if _sizes(tok.input_splits, splits) != expected_counts.view(region.group_size, -1).sum(1).tolist():
-            raise Mismatch(tok.node, "input split sizes are not the per-rank sums of the expert counts", stage=SEND)
+            raise Mismatch(tok.node, SkipCode.SPLITS_NOT_RANK_SUMS,
+                           "input split sizes are not the per-rank sums of the expert counts", stage=SEND)
         here, slot = _sent_slots(sent, ids, w, leaves[region.x].reshape(num_tokens, -1), expected_counts, top_k)
         if here is None or weights_applied not in (None, here):
-            raise Mismatch(tok.node, "rows sent are not x[token] (or x[token] * its routing weight) "
-                                     "for every (token, expert) slot, sorted by expert", stage=SEND)
+            raise Mismatch(tok.node, SkipCode.ROWS_NOT_X,
+                           "rows sent are not x[token] (or x[token] * its routing weight) "
+                           "for every (token, expert) slot, sorted by expert", stage=SEND)
         weights_applied = here
         slots.append(slot)
     region.weights_applied = weights_applied
@@ -240,19 +248,23 @@ def _check_receive_side(gm, region: EPRegion) -> None:
             grouped, *splits = _evaluate(region, gm, [region.expert_input, *out_split_nodes], leaves,
                                          forbidden={counts.node})
         except NotEvaluable as e:
-            raise Mismatch(tok.node, f"the experts' input is not computed from the received rows and counts alone: {e}",
+            raise Mismatch(tok.node, SkipCode.NOT_COMPUTED_FROM,
+                           f"the experts' input is not computed from the received rows and counts alone: {e}",
                            stage=RECEIVE)
         per_rank = received.view(region.group_size, local)
         if _sizes(tok.output_splits, splits) != per_rank.sum(1).tolist():
-            raise Mismatch(tok.node, "output split sizes are not the per-rank sums of the received counts",
+            raise Mismatch(tok.node, SkipCode.SPLITS_NOT_RANK_SUMS,
+                           "output split sizes are not the per-rank sums of the received counts",
                            stage=RECEIVE)
         perm = _row_permutation(grouped, leaves[tok.result])
         if perm is None:
-            raise Mismatch(tok.node, "the experts' input is not a permutation of the received rows "
-                                     "(padded, dropped or transformed rows)", stage=RECEIVE)
+            raise Mismatch(tok.node, SkipCode.NOT_A_PERMUTATION,
+                           "the experts' input is not a permutation of the received rows "
+                           "(padded, dropped or transformed rows)", stage=RECEIVE)
         expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(region.group_size), received)
         if not torch.all(expert_of_row[perm].diff() >= 0):
-            raise Mismatch(tok.node, "the experts' input does not group the received rows by local expert",
+            raise Mismatch(tok.node, SkipCode.NOT_GROUPED,
+                           "the experts' input does not group the received rows by local expert",
                            stage=RECEIVE)
         samples.append((received, leaves, perm))
     region.expert_output = _pick_expert_output(gm, region, samples)
@@ -284,7 +296,8 @@ def _pick_expert_output(gm, region: EPRegion, samples) -> fx.Node:
                 return y
         except NotEvaluable:
             continue
-    raise Mismatch(comb.node, "rows sent back are not the experts' output un-permuted to the received order",
+    raise Mismatch(comb.node, SkipCode.NOT_UNPERMUTED,
+                   "rows sent back are not the experts' output un-permuted to the received order",
                    stage=RECEIVE)
 
 
@@ -314,11 +327,13 @@ def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node:
         except NotEvaluable:
             continue
     if any(split_nodes & ancestors(s, stop=split_nodes) for s in group_inputs):
-        raise Mismatch(tok.node, "the experts read the received row count, which Dynamo traced as the sum of the "
-                                 "output split sizes: the DeepEP rewrite cannot supply that value; derive it from "
-                                 "the group sizes instead (int(group_sizes.sum()))", stage=RECEIVE)
-    raise Mismatch(tok.node, "the experts' group sizes are not the received rows per local expert "
-                             "(padded, or not only derived from the received counts)", stage=RECEIVE)
+        raise Mismatch(tok.node, SkipCode.READS_ROW_COUNT,
+                       "the experts read the received row count, which Dynamo traced as the sum of the "
+                       "output split sizes: the DeepEP rewrite cannot supply that value; derive it from "
+                       "the group sizes instead (int(group_sizes.sum()))", stage=RECEIVE)
+    raise Mismatch(tok.node, SkipCode.GROUP_SIZES,
+                   "the experts' group sizes are not the received rows per local expert "
+                   "(padded, or not only derived from the received counts)", stage=RECEIVE)
 
 
 def _sent_counts_sample(region: EPRegion) -> torch.Tensor:
@@ -349,7 +364,8 @@ def _check_tokens_out(gm, region: EPRegion, slots: list[torch.Tensor]) -> None:
         try:
             (out,) = _evaluate(region, gm, [region.tokens_out], leaves)
         except NotEvaluable as e:
-            raise Mismatch(comb.node, f"result is not computed from the returned rows, ids and weights alone: {e}",
+            raise Mismatch(comb.node, SkipCode.NOT_COMPUTED_FROM,
+                           f"result is not computed from the returned rows, ids and weights alone: {e}",
                            stage=RESULT)
         # row j came back for the slot sent in row j (the experts' rows are un-permuted before the combine)
         row_of_slot = torch.empty_like(slots[i])
@@ -358,5 +374,5 @@ def _check_tokens_out(gm, region: EPRegion, slots: list[torch.Tensor]) -> None:
         scale = w.unsqueeze(-1) if region.weights_applied == "after_experts" else 1.0
         if not torch.equal(out.reshape(num_tokens, width).float(), (rows * scale).sum(1)):
             where = "after the experts" if region.weights_applied == "after_experts" else "before the experts"
-            raise Mismatch(comb.node, f"result is not the sum of each token's K returned rows "
-                                      f"(routing weights applied {where})", stage=RESULT)
+            raise Mismatch(comb.node, SkipCode.NOT_SLOT_SUM, f"result is not the sum of each token's K returned rows "
+                           f"(routing weights applied {where})", stage=RESULT)

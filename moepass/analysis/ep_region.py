@@ -30,6 +30,8 @@ from torch import fx
 from moepass.graph import (ancestors, between, data_inputs, data_users, example_value, graph_order, is_guard,
                            is_unused, later_values, module_path, nearest_ancestors, static_int, static_shape,
                            tensor_meta, written_buffer)
+from moepass.skips import SkipCode
+
 from .collectives import AllToAll, find_all_to_alls
 from .counts_length import bincount_lengths, pin
 from .evaluate import NotEvaluable, backward_slice
@@ -80,17 +82,19 @@ class RegionSkip:
     node: fx.Node
     module: str
     reason: str
+    code: SkipCode
 
 
 class Mismatch(Exception):
-    """The region does not compute what DeepEP's dispatch/combine compute; `reason` says where.
+    """The region does not compute what DeepEP's dispatch/combine compute; `reason` says where, `code` which
+    documented reason it is (moepass.skips).
 
     `stage` orders how far the analysis got (naming the parts, then each evaluation check): when several
     readings of a region fail, the reason of the one that got furthest is the one a user can act on."""
 
-    def __init__(self, node: fx.Node, reason: str, stage: int = 0):
+    def __init__(self, node: fx.Node, code: SkipCode, reason: str, stage: int = 0):
         super().__init__(reason)
-        self.node, self.reason, self.stage = node, reason, stage
+        self.node, self.code, self.reason, self.stage = node, code, reason, stage
 
 
 def find_ep_regions(gm: fx.GraphModule) -> tuple[list[EPRegion], list[RegionSkip]]:
@@ -117,18 +121,20 @@ def find_ep_regions(gm: fx.GraphModule) -> tuple[list[EPRegion], list[RegionSkip
         try:
             if counts is None:
                 earlier = any(order[c.node] < order[tok.node] for c in a2as if c is not tok)
-                raise Mismatch(tok.node, "no counts all-to-all found upstream of the token all-to-all's split sizes"
+                raise Mismatch(tok.node, SkipCode.NO_COUNTS_EXCHANGE,
+                               "no counts all-to-all found upstream of the token all-to-all's split sizes"
                                + ("" if earlier else f" ({_split_over_graphs('the counts exchange', 'before')})"))
             regions.append(_match_region(gm, counts, tok, comb, boundary, check_region))
         except Mismatch as m:
-            skips.append(RegionSkip(m.node, module_path(tok.node), m.reason))
+            skips.append(RegionSkip(m.node, module_path(tok.node), m.reason, m.code))
         except Exception as error:  # an unforeseen graph shape must not break the user's compile
             skips.append(RegionSkip(tok.node, module_path(tok.node),
-                                    f"could not analyse the region ({type(error).__name__}: {error})"))
+                                    f"could not analyse the region ({type(error).__name__}: {error})",
+                                    SkipCode.ANALYSIS_ERROR))
     for a in a2as:
         if id(a) not in used:
             skips.append(RegionSkip(a.node, module_path(a.node), "all-to-all is not part of a dispatch/combine pair "
-                                    + _unpaired_why(a, a2as, order)))
+                                    + _unpaired_why(a, a2as, order), SkipCode.NOT_A_PAIR))
     return regions, skips
 
 
@@ -223,8 +229,9 @@ def _match_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundary:
         except Mismatch as m:
             mismatches.append((-m.stage, tensor_meta(ids).shape[-1], len(mismatches), m))
     if not mismatches:
-        raise Mismatch(counts.node, "could not find the top-k expert ids [T, K] both the counts and the rows "
-                                    "sent are computed from")
+        raise Mismatch(counts.node, SkipCode.NO_TOPK_IDS,
+                       "could not find the top-k expert ids [T, K] both the counts and the rows "
+                       "sent are computed from")
     raise min(mismatches, key=lambda m: m[:3])[3]
 
 
@@ -238,21 +245,24 @@ def _check_counts_exchange(counts: AllToAll, tok: AllToAll, boundary: set[fx.Nod
         sent, lengths = _describe(counts.input), bincount_lengths(counts.input, boundary)
         unproven = next((b for b in lengths if b.length is None), None)
         if unproven is not None:
-            raise Mismatch(counts.node, f"counts all-to-all does not send a static integer count per expert (sends "
-                                        f"{sent}, bincount `{unproven.bincount.name}`): bincount's length is data "
-                                        f"dependent and {unproven.why}")
+            raise Mismatch(counts.node, SkipCode.BINCOUNT_LENGTH,
+                           f"counts all-to-all does not send a static integer count per expert (sends "
+                           f"{sent}, bincount `{unproven.bincount.name}`): bincount's length is data "
+                           f"dependent and {unproven.why}")
         for length in lengths:
             pin(length)
         pinned, counts_shape = lengths, static_shape(_index_meta(counts.input))
     if not counts_shape:
-        raise Mismatch(counts.node, "counts all-to-all does not send a static integer count per expert "
-                                    f"(sends {_describe(counts.input)})")
+        raise Mismatch(counts.node, SkipCode.NOT_COUNT_PER_EXPERT,
+                       "counts all-to-all does not send a static integer count per expert "
+                       f"(sends {_describe(counts.input)})")
     num_experts, rows = math.prod(counts_shape), counts_shape[0]
     splits = None if counts.input_splits is None else tuple(
         static_int(example_value(s) if isinstance(s, fx.Node) else s) for s in counts.input_splits)
     if num_experts % num_ranks or rows % num_ranks or splits not in (None, (rows // num_ranks,) * num_ranks):
-        raise Mismatch(counts.node, f"{num_experts} expert counts ({list(counts_shape)}, splits "
-                                    f"{counts.input_splits}) are not split evenly over {num_ranks} ranks")
+        raise Mismatch(counts.node, SkipCode.EXPERTS_UNEVEN,
+                       f"{num_experts} expert counts ({list(counts_shape)}, splits "
+                       f"{counts.input_splits}) are not split evenly over {num_ranks} ranks")
     return num_experts, pinned
 
 
@@ -309,14 +319,14 @@ def identify_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundar
 
     x = nearest_ancestors(tok.input, is_x, stop=[ids, *weights_pre])
     if len(x) != 1:
-        raise Mismatch(tok.node, f"could not find the token rows x [{tokens}, {hidden}] "
-                                 f"the sent rows are gathered from (found {len(x)} candidates)")
+        raise Mismatch(tok.node, SkipCode.NO_TOKEN_ROWS, f"could not find the token rows x [{tokens}, {hidden}] "
+                       f"the sent rows are gathered from (found {len(x)} candidates)")
     x = x[0]
     symbols = sample_bindings(tokens, tok.input)
     try:
         num_tokens, width = concrete(tokens, symbols), concrete(hidden, symbols)
     except ValueError as e:
-        raise Mismatch(tok.node, f"token count or hidden size cannot be sampled: {e}")
+        raise Mismatch(tok.node, SkipCode.UNSAMPLED_SIZE, f"token count or hidden size cannot be sampled: {e}")
     region = EPRegion(module_path(tok.node), counts, tok, comb, x, ids, None, num_tokens, top_k, width,
                       num_experts, num_ranks, tok.group_name, _expert_input(tok, counts, comb), None, None, None,
                       weights_on_sent_rows=bool(weights_pre), token_count=tokens, symbols=symbols)
@@ -325,8 +335,9 @@ def identify_region(gm, counts: AllToAll, tok: AllToAll, comb: AllToAll, boundar
     out_shape = shape_exprs(region.tokens_out)
     if symbols and len(out_shape) != 2 and not (len(out_shape) == len(shape_exprs(x))
                                                 and all(map(same, out_shape, shape_exprs(x)))):
-        raise Mismatch(region.tokens_out, f"result shaped {list(out_shape)} with a dynamic token count is neither "
-                                          "[T, D] nor shaped like x")
+        raise Mismatch(region.tokens_out, SkipCode.DYNAMIC_RESULT_SHAPE,
+                       f"result shaped {list(out_shape)} with a dynamic token count is neither "
+                       "[T, D] nor shaped like x")
     return region
 
 
@@ -355,9 +366,10 @@ def _find_tokens_out(region: EPRegion, weights_pre: set[fx.Node], is_weights, hi
             return n, weights
         escapes.append(escape)
     if escapes:
-        raise Mismatch(tok.node, escapes[0], stage=1)
-    raise Mismatch(comb.node, f"no [{region.token_count}, {hidden}] result computed from the returned rows, expert "
-                              "ids and one routing-weight tensor")
+        raise Mismatch(tok.node, SkipCode.VALUE_ESCAPES, escapes[0], stage=1)
+    raise Mismatch(comb.node, SkipCode.NO_RESULT,
+                   f"no [{region.token_count}, {hidden}] result computed from the returned rows, expert "
+                   "ids and one routing-weight tensor")
 
 
 def result_readers(tokens_out: fx.Node) -> list[fx.Node]:
@@ -448,7 +460,8 @@ def expert_output_candidates(region: EPRegion) -> list[fx.Node]:
     rows = [n for n in inner if (t := tensor_meta(n)) is not None and t.dim() == 2 and t.is_floating_point()
             and same(size_expr(t.shape[1]), width) and written_buffer(n) is None]
     if not rows:
-        raise Mismatch(comb.node, "the rows sent back are not computed from the expert-major received rows")
+        raise Mismatch(comb.node, SkipCode.ROWS_BACK_NOT_COMPUTED,
+                       "the rows sent back are not computed from the expert-major received rows")
     # last, the rows sent back themselves: with one expert per rank the received order is already expert-major
     return sorted(rows, key=order.__getitem__, reverse=True)[:_MAX_EXPERT_OUTPUT_CANDIDATES] + [comb.input]
 
@@ -462,10 +475,12 @@ def expert_counts_candidates(region: EPRegion) -> tuple[list[fx.Node], list[fx.N
     side = {a for n in expert_nodes - {expert_input} for a in n.all_input_nodes if a not in expert_nodes}
     upstream = {s: ancestors(s, stop=received) | {s} for s in side}
     if any(tok.result in up for up in upstream.values()):
-        raise Mismatch(tok.node, "the experts read the received rows other than through the expert-major rows")
+        raise Mismatch(tok.node, SkipCode.READS_RECEIVED_ROWS,
+                       "the experts read the received rows other than through the expert-major rows")
     from_counts = [s for s in side if counts.result in upstream[s]]
     if not from_counts:
-        raise Mismatch(tok.node, "the experts are given no group sizes derived from the received counts")
+        raise Mismatch(tok.node, SkipCode.GROUP_SIZES,
+                       "the experts are given no group sizes derived from the received counts")
     candidates = {c for s in from_counts for c in upstream[s]
                   if static_shape(_sizes_meta(c)) == (region.num_local_experts,)
                   and counts.result in ancestors(c, stop=received)}

@@ -16,7 +16,7 @@ from collections import deque
 import torch
 from torch import fx
 
-import moepass.ops.ep_dispatch_combine  # noqa: F401  (registers moepass::ep_dispatch, which it looks for)
+import moepass.ops.ep.dispatch_combine  # noqa: F401  (registers moepass::ep_dispatch, which it looks for)
 from moepass.graph import example_int, static_int, tensor_meta
 from .collectives import find_all_to_alls
 from .scopes import dataflow, graph_scopes

@@ -192,7 +192,7 @@ def cmd_bench(args) -> int:
         say("\n" + table(entries, ranks.world))
         write_outputs(result, args.out, "bench", plot.bench_chart)
     if ranks.world > 1:
-        from moepass.ops.ep_deepep import release_deepep_buffers
+        from moepass.ops.ep.deepep import release_deepep_buffers
 
         dist.barrier()
         release_deepep_buffers()  # DeepEP buffers are collective: free them before the group goes

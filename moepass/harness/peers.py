@@ -21,7 +21,7 @@ import inspect
 import torch
 from torch import nn
 
-from ..ops.device_arch import probe
+from ..device_arch import probe
 
 # torchtitan's deepseek_v3 float8 config: filter_fqns=["lm_head", "router.gate"]; this model calls its head "output"
 KEEP_BF16 = ("lm_head", "output", "router.gate")

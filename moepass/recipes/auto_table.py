@@ -14,7 +14,7 @@ Each row is one GEMM shape at one token count, timed on one GPU by
 A GEMM whose shape the table holds is decided by the speedup at its token count, interpolated in log(tokens)
 between the two measured counts around it. Below the smallest count measured it stays BF16 (unmeasured, and
 FP8's margin shrinks with M); above the largest it takes the largest's (the margin grows with M). Shapes the
-table does not hold fall back to fp8_recipe.FP8_ROWWISE_MIN.
+table does not hold fall back to the size rule auto.FP8_ROWWISE_MIN.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import pathlib
 SCHEMA = "moepass.fp8_auto_table/1"
 # The table shipped with moepass, and the device kind it was measured on (other kinds use the fallback rule).
 SHIPPED = pathlib.Path(__file__).with_name("fp8_auto_table_h200.json")
+SHIPPED_NAME = f"moepass/recipes/{SHIPPED.name}"  # as reasons quote it
 # FP8 must beat BF16 by this much to be picked: FP8 costs accuracy, and smaller margins are within the noise
 # of the timings (16B attention.wo, K=N=2048, measured 0.55x at M=16384 and 1.02x at M=32768).
 MIN_SPEEDUP = 1.03
@@ -108,4 +109,4 @@ def shipped() -> AutoTable | None:
     """The table in the package, or None when it is absent (then every GEMM takes the fallback rule)."""
     if not SHIPPED.exists():
         return None
-    return AutoTable(json.loads(SHIPPED.read_text()), f"moepass/{SHIPPED.name}")
+    return AutoTable(json.loads(SHIPPED.read_text()), SHIPPED_NAME)

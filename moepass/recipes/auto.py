@@ -1,12 +1,11 @@
-"""Which GEMM recipe a linear or grouped expert GEMM gets, and why: mxfp8, fp8_rowwise or BF16.
+"""recipe="auto": which recipe a linear or grouped expert GEMM gets, and why: mxfp8, fp8_rowwise or BF16.
 
-recipe="auto": MXFP8 on sm_100 and newer (native block-scaled FP8 tensor cores); FP8 rowwise on
-sm_89/sm_90 where it measured faster than BF16 for the GEMM's shape, BF16 where quantizing would cost
-more than the faster GEMM saves; MXFP8 emulated on CPU (the reference numerics moepass is tested on).
-On the GPU kind the table in fp8_auto_table was measured on, a GEMM whose shape it holds is decided by its
-speedup at the graph's token count; any other GEMM by the size rule FP8_ROWWISE_MIN.
-An explicitly requested recipe is honoured everywhere (emulated where the device has no kernels).
-Every decision comes with a reason a user can read in the report.
+MXFP8 on sm_100 and newer (native block-scaled FP8 tensor cores); FP8 rowwise on sm_89/sm_90 where it measured
+faster than BF16 for the GEMM's shape, BF16 where quantizing would cost more than the faster GEMM saves; MXFP8
+emulated on CPU (the reference numerics moepass is tested on). On the GPU kind the table in auto_table was measured
+on, a GEMM whose shape it holds is decided by its speedup at the graph's token count; any other GEMM by the size
+rule FP8_ROWWISE_MIN. Also measured here: which weight gradients fp8_rowwise keeps in BF16 by default
+(WGRAD_BF16_AUTO). Every decision comes with a reason a user can read in the report.
 """
 
 from __future__ import annotations
@@ -15,14 +14,12 @@ import dataclasses
 
 import torch
 
-from . import fp8_auto_table
-from .gemm_rules import shape_problem
-from .graph import example_int
-from .ops.device_arch import probe
-from .ops.formats import FP8_ALIGN as ALIGN
-from .options import OptionsError
+from moepass.device_arch import probe
+from moepass.graph import example_int
 
-RECIPES = ("auto", "mxfp8", "fp8_rowwise")
+from . import auto_table
+
+BF16 = "bf16"  # the choice that leaves a GEMM as it is (no recipe has this name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +35,8 @@ class MinShape:
     work: float = 0.0
 
 
-# The size rule for GEMMs the measured table (fp8_auto_table) does not hold, or on another GPU kind: the
-# smallest shapes where FP8 rowwise (quantization included) beat BF16 by fp8_auto_table.MIN_SPEEDUP on an
+# The size rule for GEMMs the measured table (auto_table) does not hold, or on another GPU kind: the
+# smallest shapes where FP8 rowwise (quantization included) beat BF16 by auto_table.MIN_SPEEDUP on an
 # H200 under torch.compile, read off that table. None: slower than BF16 at every shape measured.
 FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
     # Forward, dgrad and wgrad together. At M >= 16384 every linear with min(K, N) >= 1536 and K*N >= 1e7 won
@@ -53,14 +50,14 @@ FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
     "grouped": MinShape(k=1024, n=1024, tokens=512, work=2.7e10),
 }
 # Where FP8_ROWWISE_MIN and WGRAD_BF16_AUTO come from, quoted in every reason.
-THRESHOLDS_SOURCE = (f"measured on H200: moepass/{fp8_auto_table.SHIPPED.name} (per GEMM and token count), "
+THRESHOLDS_SOURCE = (f"measured on H200: {auto_table.SHIPPED_NAME} (per GEMM and token count), "
                      "examples/results/step_16B_fp8_h200/ (training steps)")
 
 # fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds. A grouped wgrad in FP8
 # needs both operands quantized per (token group, column), a pass of their own over the routed tokens
-# (fp8_rowwise_triton) that cost more than the FP8 GEMM saved in the 16B step: 2 x 1.4 ms of quantization
-# per wgrad under the skewed routing of early training, against ~0.8 ms saved by its FP8 GEMM. At 671B dims,
-# with w1's and w3's wgrads sharing one quantization of x, FP8 came out even (479.7 vs 480.7 ms a step, 1.9 GB
+# (ops/lowp/fp8_rowwise/triton_kernels.py) that cost more than the FP8 GEMM saved in the 16B step: 2 x 1.4 ms of
+# quantization per wgrad under the skewed routing of early training, against ~0.8 ms saved by its FP8 GEMM. At 671B
+# dims, with w1's and w3's wgrads sharing one quantization of x, FP8 came out even (479.7 vs 480.7 ms a step, 1.9 GB
 # less peak memory: examples/results/bench_671B_l3_wgrad_once_h200/): not a win worth new numerics by default.
 WGRAD_BF16_AUTO = {"linear": False, "grouped": True}
 
@@ -79,7 +76,7 @@ def example_tokens(m) -> tuple[int | None, str]:
 
 def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
                   experts: int | None = None, expected=None) -> tuple[str, str]:
-    """recipe="auto": ("mxfp8" | "fp8_rowwise" | "bf16", reason) for one GEMM.
+    """recipe="auto": ("mxfp8" | "fp8_rowwise" | BF16, reason) for one GEMM.
 
     kind: "linear" (y = x @ W.T, M tokens) or "grouped" (M routed rows over `experts` groups).
     m: int, SymInt or None; when unknown, the decision rests on K and N and the reason says so.
@@ -96,12 +93,12 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if cc[0] >= 10:
         return "mxfp8", f"{arch}: native MXFP8 (block-scaled FP8) tensor cores"
     if cc < (8, 9):
-        return "bf16", f"left in BF16: {arch} has no FP8 tensor cores"
+        return BF16, f"left in BF16: {arch} has no FP8 tensor cores"
     if kind == "grouped" and cc[0] != 9:
-        return "bf16", f"left in BF16: {arch} has no FP8 grouped GEMM (torch._scaled_grouped_mm rowwise needs sm_90)"
+        return BF16, f"left in BF16: {arch} has no FP8 grouped GEMM (torch._scaled_grouped_mm rowwise needs sm_90)"
     need = FP8_ROWWISE_MIN[kind]
     if need is None:
-        return "bf16", f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch} ({THRESHOLDS_SOURCE})"
+        return BF16, f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch} ({THRESHOLDS_SOURCE})"
     tokens, how = example_tokens(m)
     expected = expected() if tokens is None and expected is not None else None
     if expected is not None:
@@ -111,9 +108,9 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         per = "tokens per expert"
         tokens = None if tokens is None or not experts else tokens // experts
         if tokens is None:  # data dependent, and no expert-parallel exchange upstream to expect a count from
-            return "bf16", (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
-                            f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
-    table = fp8_auto_table.shipped()
+            return BF16, (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
+                          f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
+    table = auto_table.shipped()
     if tokens is not None and table is not None and table.capability == cc:
         verdict = table.linear(k, n, tokens) if kind == "linear" else table.grouped(k, n, tokens, expected is not None)
         if verdict is not None:
@@ -128,60 +125,19 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         small.append(f"{least_work}={work:.3g} < {need.work:.3g}")
     if small:
         size = f"M*K*N={tokens * k * n:.3g}" if kind == "linear" and tokens is not None else how
-        return "bf16", (f"left in BF16: too small for FP8 to win on {arch} ({', '.join(small)}; {size}); "
-                        f"thresholds: {THRESHOLDS_SOURCE}")
+        return BF16, (f"left in BF16: too small for FP8 to win on {arch} ({', '.join(small)}; {size}); "
+                      f"thresholds: {THRESHOLDS_SOURCE}")
     if expected is not None:  # the size rule was read off static rows, where the quantization fuses into producers
-        return "bf16", (f"left in BF16: FP8 rowwise was not measured for this expert MLP on rows received by "
-                        f"expert parallelism ({how}); `python examples/bench_fp8_gemms.py --received-rows` measures it")
+        return BF16, (f"left in BF16: FP8 rowwise was not measured for this expert MLP on rows received by "
+                      f"expert parallelism ({how}); `python examples/bench_fp8_gemms.py --received-rows` measures it")
     return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens}, "
                            f"{least_work}>={need.work:.3g} ({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
 
 
-def _table_decision(verdict: fp8_auto_table.Verdict, arch: str, table: fp8_auto_table.AutoTable,
+def _table_decision(verdict: auto_table.Verdict, arch: str, table: auto_table.AutoTable,
                     how: str) -> tuple[str, str]:
     source = f"{table.source}, measured on {table.gpu}"
     if verdict.fp8:
         return "fp8_rowwise", f"{arch}: FP8 rowwise wins here: {verdict.detail} ({how}; {source})"
-    need = f"needs >= {fp8_auto_table.MIN_SPEEDUP:.2f}x"
-    return "bf16", f"left in BF16: FP8 rowwise does not pay here: {verdict.detail}; {need} ({how}; {source})"
-
-
-def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: int, n: int,
-                   experts: int | None = None, expected=None) -> tuple[str, str]:
-    """The `recipe` option applied to one GEMM: an explicit recipe is honoured, "auto" chooses."""
-    if requested not in RECIPES:
-        raise OptionsError(f"moepass: recipe={requested!r} is not one of {list(RECIPES)}")
-    if requested == "auto":
-        return choose_recipe(device, kind, m, k, n, experts, expected)
-    return requested, f"recipe={requested!r} requested"
-
-
-def recipe_shape_problem(recipe: str, k, n) -> str | None:
-    """None when `recipe`'s kernels take K and N (MXFP8: multiples of 32, FP8 rowwise: of 16), else what to fix."""
-    problem = shape_problem(k, n) if recipe == "mxfp8" else shape_problem(k, n, multiple=ALIGN)
-    return f"{recipe}: {problem}" if problem else None
-
-
-def fp8_rowwise_wgrad_bf16(requested, kind: str) -> tuple[bool, str]:
-    """The `fp8_rowwise.wgrad_bf16` option for one GEMM: (wgrad in BF16?, why)."""
-    if requested != "auto":
-        return bool(requested), f"wgrad {'BF16' if requested else 'FP8'}: fp8_rowwise.wgrad_bf16={requested} requested"
-    if WGRAD_BF16_AUTO[kind]:
-        return True, ("wgrad BF16: its per-token-group quantization cost more than the FP8 GEMM saved "
-                      f"({THRESHOLDS_SOURCE})")
-    return False, "wgrad FP8"
-
-
-def fp8_rowwise_kernel(requested: str, device: torch.device | str, grouped: bool) -> tuple[str, str]:
-    """(kernel, reason) for the FP8-rowwise ops, honouring the `fp8_rowwise.kernel` option."""
-    from moepass.ops.fp8_rowwise_kernels import KERNELS, choose_fp8_rowwise_kernel
-
-    if requested not in ("auto", *KERNELS):
-        raise OptionsError(f"moepass: fp8_rowwise.kernel={requested!r} is not one of {['auto', *KERNELS]}")
-    best, why = choose_fp8_rowwise_kernel(device, grouped)
-    if requested == "auto" or requested == best:
-        return best, why
-    if requested == "emulated":
-        return "emulated", f"fp8_rowwise.kernel='emulated' requested ({why})"
-    raise OptionsError(f"moepass: fp8_rowwise.kernel='scaled_mm' requested but {why}. "
-                     "Use fp8_rowwise.kernel='auto' or 'emulated' on this device.")
+    need = f"needs >= {auto_table.MIN_SPEEDUP:.2f}x"
+    return BF16, f"left in BF16: FP8 rowwise does not pay here: {verdict.detail}; {need} ({how}; {source})"

@@ -1,10 +1,10 @@
-"""FP8-rowwise grouped GEMMs (moepass::fp8_rowwise_grouped_mm, _dgrad, _wgrad; the op family is grouped_mm.py).
+"""FP8-rowwise grouped GEMMs (moepass::fp8_rowwise_grouped_mm, _dgrad, _wgrad; the op family is lowp/grouped_mm.py).
 
 Forward: x per row, each expert's weight per output channel (along K); dgrad: grad_out per row, each
 expert's weight per input channel (along N); wgrad: grad_out and x per (token group, column). GEMMs:
 torch._scaled_grouped_mm on sm_90 (kernel "scaled_mm"), or exact dequantization and torch._grouped_mm
 in BF16 (kernel "emulated", the same numerics). Token groups need no alignment: the 2d-3d GEMMs take any
-group sizes, and the wgrad's operands are quantized straight into 16-aligned groups (fp8_rowwise_token_groups).
+group sizes, and the wgrad's operands are quantized straight into 16-aligned groups (token_groups).
 Rows at or after offs[-1] belong to no group: their outputs and input gradients are zero.
 """
 
@@ -13,19 +13,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_decomp import grouped_mm_wgrad
-from .fp8_rowwise_recipe import FP8_ROWWISE
-from .grouped_mm import define_grouped_mm_ops
-from .grouped_wgrad_bf16 import as_transposed_layout
-from .op_recipe import RecipeGemms
+from moepass.recipes.fp8_rowwise import FP8_ROWWISE
+
+from ..grouped_mm import define_grouped_mm_ops
+from ..grouped_wgrad_bf16 import as_transposed_layout
+from ..op_recipe import RecipeGemms
+from . import quant
+from .decomp import grouped_mm_wgrad
+from .kernels import check_settings
 from .scaled_gemms import scaled_grouped_mm, zero_rows_after_last_group
 
 
 def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tensor:
     if kernel == "emulated":
         return zero_rows_after_last_group(out, offs)
-    from .fp8_rowwise_triton import zero_rows_from_group_end_
+    from .triton_kernels import zero_rows_from_group_end_
 
     return zero_rows_from_group_end_(out, offs)
 
@@ -69,4 +71,4 @@ def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     return grouped_mm_wgrad(grad_out, x, offs)
 
 
-define_grouped_mm_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad))
+define_grouped_mm_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad, check_settings))

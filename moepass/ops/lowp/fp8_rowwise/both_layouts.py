@@ -5,12 +5,12 @@ Two operands are quantized twice per step, once for each GEMM that reads them:
 - a linear's gradient g [M, N]: the dgrad scales it per token (along N), the wgrad per channel (along tokens);
   likewise a linear's input x [M, K]: the forward per token, the wgrad per channel.
 The ops here return both layouts at once. Under the options fp8_rowwise.expert_weights_once and
-fp8_rowwise.linear_both_layouts both decompositions (fp8_rowwise_decomp) call one op on the same operand, each
+fp8_rowwise.linear_both_layouts both decompositions (decomp) call one op on the same operand, each
 using its half; AOTAutograd's CSE merges the two calls of the joint graph into one, and where the two GEMMs
 sit in different graphs the partitioner saves the other half (1 byte per element) for the backward.
-On CUDA two Triton kernels read the operand twice in all (fp8_rowwise_triton.both_layouts: the row amax in
+On CUDA two Triton kernels read the operand twice in all (triton_kernels.both_layouts: the row amax in
 registers, the column amax by atomics, then one pass writing both e4m3 layouts), bit for bit equal to the
-reference; elsewhere the reference (fp8_rowwise_decomp.rows / cols).
+reference; elsewhere the reference (decomp.rows / cols).
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .formats import E4M3
-from .fp8_rowwise_decomp import cols, rows
+from ..formats import E4M3
+from .decomp import cols, rows
 
 
 @torch.library.custom_op("moepass::fp8_rowwise_expert_weights", mutates_args=())
 def fp8_rowwise_expert_weights(w_t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """w_t [E, K, N] bf16 -> (fwd q [E, K, N] column-major, scale [E, 1, N]; dgrad q [E, K, N], scale [E, K, 1]).
 
-    Exactly fp8_rowwise_decomp.cols(w_t) and rows(w_t), the layouts the decomposed grouped GEMMs take.
+    Exactly decomp.cols(w_t) and rows(w_t), the layouts the decomposed grouped GEMMs take.
     """
     if w_t.device.type != "cuda":
         return (*cols(w_t), *rows(w_t))
-    from .fp8_rowwise_triton import both_layouts
+    from .triton_kernels import both_layouts
 
     if w_t.transpose(-2, -1).is_contiguous():  # the model's [E, N, K] weight, transposed: rows are the forward's
         q_rows, row_scale, q_cols, col_scale = both_layouts(w_t.transpose(-2, -1))
@@ -51,11 +51,11 @@ def _(w_t: Tensor):
 def fp8_rowwise_rows_and_cols(t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """t [M, C] bf16 -> (q [M, C] row-major, scale [M, 1]; q [M, C] column-major, scale [1, C]).
 
-    Exactly fp8_rowwise_decomp.rows(t) and cols(t): per row (a GEMM's left operand) and per column (the wgrad's).
+    Exactly decomp.rows(t) and cols(t): per row (a GEMM's left operand) and per column (the wgrad's).
     """
     if t.device.type != "cuda" or t.shape[0] == 0:
         return (*rows(t), *cols(t))
-    from .fp8_rowwise_triton import both_layouts
+    from .triton_kernels import both_layouts
 
     q_rows, row_scale, q_cols_t, col_scale = both_layouts(t.contiguous().unsqueeze(0))
     return q_rows[0], row_scale[0].unsqueeze(-1), q_cols_t[0].t(), col_scale[0].unsqueeze(0)

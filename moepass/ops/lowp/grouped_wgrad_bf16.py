@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moepass.op_registry import register_gemm
+
 from .gemm_args import check_bf16, check_offs
 from .sharding import register_gemm_sharding
 
@@ -47,3 +49,4 @@ def _(grad_out, x, offs):
 
 # torch._grouped_mm reads 16-byte-aligned rows: 8 bf16 elements
 register_gemm_sharding(grouped_mm_wgrad_bf16._opoverload, "grouped_mm_wgrad", 8)
+register_gemm(grouped_mm_wgrad_bf16._opoverload, "grouped", "wgrad")

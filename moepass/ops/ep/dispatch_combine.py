@@ -21,16 +21,18 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from moepass.ops import ep_deepep, ep_reference
+from moepass.op_registry import register_exchange
+
+from . import deepep, reference
 
 EP_BACKENDS = ("reference", "deepep")
 
 # Where each backend's handle keeps is_token_in_rank [N, W] and recv_src_idx [R]: the fakes read N and R there.
 _HANDLE_IS_TOKEN_IN_RANK = {
-    "reference": ep_reference.HANDLE_IS_TOKEN_IN_RANK,
-    "deepep": ep_deepep.HANDLE_IS_TOKEN_IN_RANK,
+    "reference": reference.HANDLE_IS_TOKEN_IN_RANK,
+    "deepep": deepep.HANDLE_IS_TOKEN_IN_RANK,
 }
-_HANDLE_RECV_SRC_IDX = {"reference": ep_reference.HANDLE_RECV_SRC_IDX, "deepep": ep_deepep.HANDLE_RECV_SRC_IDX}
+_HANDLE_RECV_SRC_IDX = {"reference": reference.HANDLE_RECV_SRC_IDX, "deepep": deepep.HANDLE_RECV_SRC_IDX}
 
 
 def choose_ep_backend(
@@ -48,9 +50,9 @@ def choose_ep_backend(
         return "reference", "the reference backend was requested"
     group = _resolve_process_group(group) if isinstance(group, str) else group
     group_size = dist.get_world_size(group)
-    reason = ep_deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts, hidden)
+    reason = deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts, hidden)
     if reason is None:
-        return "deepep", f"deep_ep {ep_deepep.deep_ep_version()} importable, {group_size} ranks on NVLink (intranode)"
+        return "deepep", f"deep_ep {deepep.deep_ep_version()} importable, {group_size} ranks on NVLink (intranode)"
     if requested == "deepep":
         raise RuntimeError(f"EP backend 'deepep' was requested but {reason}; or request the 'reference' backend")
     return "reference", reason
@@ -95,18 +97,18 @@ def ep_dispatch(
     _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return ep_deepep.deepep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, group)
-    return ep_reference.reference_dispatch(x, topk_idx, topk_weights, num_experts, group)
+        return deepep.deepep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, group)
+    return reference.reference_dispatch(x, topk_idx, topk_weights, num_experts, group)
 
 
 @ep_dispatch.register_fake
 def _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size, group_name, backend):
     _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
     if backend == "deepep":
-        ep_deepep.check_tokens(x, "dispatch")  # fail at compile time, not in a kernel
+        deepep.check_tokens(x, "dispatch")  # fail at compile time, not in a kernel
     num_recv = torch.library.get_ctx().new_dynamic_size()
     num_topk = topk_idx.shape[1]
-    fake_handle = ep_deepep.deepep_fake_handle if backend == "deepep" else ep_reference.reference_fake_handle
+    fake_handle = deepep.deepep_fake_handle if backend == "deepep" else reference.reference_fake_handle
     return (
         x.new_empty((num_recv, x.shape[1])),
         topk_idx.new_empty((num_recv, num_topk)),
@@ -121,8 +123,8 @@ def ep_combine(y: Tensor, handle: list[Tensor], group_size: int, group_name: str
     _check_backend(backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return ep_deepep.deepep_combine(y, handle, group_name, group)
-    return ep_reference.reference_combine(y, handle, group)
+        return deepep.deepep_combine(y, handle, group_name, group)
+    return reference.reference_combine(y, handle, group)
 
 
 @ep_combine.register_fake
@@ -137,8 +139,8 @@ def ep_dispatch_cached(x: Tensor, handle: list[Tensor], group_size: int, group_n
     _check_backend(backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return ep_deepep.deepep_dispatch_cached(x, handle, group_name, group)
-    return ep_reference.reference_dispatch_cached(x, handle, group)
+        return deepep.deepep_dispatch_cached(x, handle, group_name, group)
+    return reference.reference_dispatch_cached(x, handle, group)
 
 
 @ep_dispatch_cached.register_fake
@@ -160,9 +162,9 @@ def ep_dispatch_backward(
     _check_backend(backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return ep_deepep.deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name, group)
-    grad_x = ep_reference.reference_combine(grad_recv_x, handle, group)
-    return grad_x, ep_reference.reference_combine(grad_recv_topk_weights, handle, group)
+        return deepep.deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name, group)
+    grad_x = reference.reference_combine(grad_recv_x, handle, group)
+    return grad_x, reference.reference_combine(grad_recv_topk_weights, handle, group)
 
 
 @ep_dispatch_backward.register_fake
@@ -214,6 +216,9 @@ def _dispatch_cached_backward(ctx, grad):
     handle = list(ctx.saved_tensors)
     return ep_combine(grad.contiguous(), handle, *ctx.group), [None] * len(handle), None, None, None
 
+
+for _exchange in (ep_dispatch, ep_combine, ep_dispatch_cached, ep_dispatch_backward):  # never recomputed under AC
+    register_exchange(_exchange._opoverload)
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
 ep_combine.register_autograd(_combine_backward, setup_context=_save_handle)

@@ -1,11 +1,11 @@
 """moepass::fp8_rowwise_token_group_cols: a grouped wgrad operand, quantized per (token group, column), padded.
 
 The grouped GEMM's wgrad takes grad_out and x each scaled along its token group's tokens, in the padded
-layout torch._scaled_grouped_mm's 2d-2d form needs (fp8_rowwise_triton.token_group_cols_padded). As a
+layout torch._scaled_grouped_mm's 2d-2d form needs (triton_kernels.token_group_cols_padded). As a
 functional op of its own, not hidden inside the wgrad op, two quantizations of the same tensor become two
 equal graph nodes that AOTAutograd's CSE merges: an MoE's w1 and w3 read the same permuted tokens x, so
 their wgrads share one quantization of x (the largest wgrad operand at DeepSeek-V3 dims, dim 7168).
-On CUDA the Triton kernel; elsewhere the same layout in plain torch from fp8_rowwise_quant.token_group_cols
+On CUDA the Triton kernel; elsewhere the same layout in plain torch from quant.token_group_cols
 (for CPU tests of the graphs that call it).
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fp8_rowwise_quant as quant
-from .formats import E4M3
-from .formats import FP8_ALIGN as ALIGN
-from .fp8_rowwise_triton import padded_token_rows
+from ..formats import E4M3
+from ..formats import FP8_ALIGN as ALIGN
+from . import quant
+from .triton_kernels import padded_token_rows
 
 
 @torch.library.custom_op("moepass::fp8_rowwise_token_group_cols", mutates_args=())
@@ -28,7 +28,7 @@ def fp8_rowwise_token_group_cols(t: Tensor, offs: Tensor) -> tuple[Tensor, Tenso
     (at least 16). Columns past padded_ends[-1] are not written: no GEMM reads them.
     """
     if t.device.type == "cuda":
-        from .fp8_rowwise_triton import token_group_cols_padded
+        from .triton_kernels import token_group_cols_padded
 
         return token_group_cols_padded(t, offs)
     return _padded_reference(t, offs)

@@ -2,7 +2,7 @@
 
 "scaled_mm": GEMMs on FP8 tensor cores through torch._scaled_mm (sm_89+) and torch._scaled_grouped_mm (its
 CUTLASS kernel is sm_90 only); e4m3 quantization fused by Inductor from plain torch when compiled
-(fp8_rowwise_decomp), else eager torch (linears) or Triton kernels (torchao's and ours, grouped GEMMs).
+(decomp), else eager torch (linears) or Triton kernels (torchao's and ours, grouped GEMMs).
 "emulated": the same quantization in plain torch, exact dequantization, a BF16 GEMM; runs anywhere.
 """
 
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .device_arch import probe
+from moepass.device_arch import probe
 
 KERNELS = ("emulated", "scaled_mm")
 EMULATED_FALLBACK = ("use kernel='emulated' (the same rowwise e4m3 quantization in plain torch, exact "
@@ -60,3 +60,8 @@ def require_kernel(kernel: str, device: torch.device, grouped: bool) -> None:
         chosen, reason = _choice_on(device, grouped)  # cached: a device's capability does not change
         if chosen != "scaled_mm":
             raise RuntimeError(f"kernel='scaled_mm' cannot run here: {reason}. Fallback: {EMULATED_FALLBACK}.")
+
+
+def check_settings(device: torch.device, grouped: bool, kernel: str) -> None:
+    """The FP8-rowwise ops' own arguments (their kernel alone), checked on every call (fake ones too)."""
+    require_kernel(kernel, device, grouped=grouped)

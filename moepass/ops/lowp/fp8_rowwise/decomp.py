@@ -4,7 +4,7 @@ Inside an opaque custom op the rowwise quantization is its own kernels, unfused 
 per shape. Decomposed by AOTAutograd, Inductor sees amax -> power-of-two scale -> e4m3 cast as ordinary
 ops: one fused reduction kernel per operand, which can also absorb the operand's producer (RMSNorm,
 SiLU * up) and a transposed write, while torch._scaled_mm / _scaled_grouped_mm stay the GEMMs.
-Same numbers as the ops: fp8_rowwise_quant.quantize (power-of-two scales), the same layouts, scale
+Same numbers as the ops: quant.quantize (power-of-two scales), the same layouts, scale
 shapes, padding and GEMM primitives (scaled_gemms, FAST_ACCUM included). The linear ops run these same
 functions eagerly for "scaled_mm".
 
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import fp8_rowwise_quant as quant
-from .formats import FP8_ALIGN
+from ..formats import FP8_ALIGN
+from . import quant
 from .scaled_gemms import scaled_grouped_mm, scaled_mm, zero_rows_after_last_group
 
 
@@ -46,7 +46,7 @@ def cols(t: Tensor) -> tuple[Tensor, Tensor]:
 
 def rows_of(t: Tensor, both_layouts: bool) -> tuple[Tensor, Tensor]:
     """rows(t), or the row half of moepass::fp8_rowwise_rows_and_cols(t), which the GEMM reading t's columns
-    calls too (CSE leaves one call: fp8_rowwise_both_layouts). t must have tokens for its columns' amax."""
+    calls too (CSE leaves one call: both_layouts). t must have tokens for its columns' amax."""
     if both_layouts and not _maybe_empty(t.shape[0]):
         return tuple(torch.ops.moepass.fp8_rowwise_rows_and_cols(t)[:2])
     return rows(t)
@@ -193,7 +193,7 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_la
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table.
 
     expert_weights_once, linear_both_layouts, linear_weights_once: the options fp8_rowwise.* of those names
-    (moepass/ops/fp8_rowwise_both_layouts.py).
+    (moepass/ops/lowp/fp8_rowwise/both_layouts.py).
     """
     ops = torch.ops.moepass
     both = LINEAR_BOTH_LAYOUTS[linear_both_layouts]

@@ -10,8 +10,8 @@ token_group_cols_padded: [M, D] -> e4m3 [D, P] with one scale per (token group, 
 zero_rows_from_group_end_: torch._scaled_grouped_mm leaves output rows at or after offs[-1] unwritten.
 both_layouts: [E, R, C] -> e4m3 along C (row-major) and along R (written transposed, [E, C, R]) from two reads
   of the input: the expert weights' forward and dgrad layouts at once, or (E = 1) a linear's gradient per token
-  and per channel (fp8_rowwise_both_layouts).
-Same numerics as fp8_rowwise_quant (power-of-two scales from the amax, e4m3 round-to-nearest-even).
+  and per channel (both_layouts).
+Same numerics as quant (power-of-two scales from the amax, e4m3 round-to-nearest-even).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .formats import E4M3, E4M3_MAX
-from .formats import FP8_ALIGN as ALIGN
-from .fp8_rowwise_quant import AMAX_EPS, scale_from_amax
+from ..formats import E4M3, E4M3_MAX
+from ..formats import FP8_ALIGN as ALIGN
+from .quant import AMAX_EPS, scale_from_amax
 
 # both_layouts' tile: the fastest of six on an H200 (examples/results/expert_weight_quant_h200.json)
 BOTH_BLOCK_R, BOTH_BLOCK_C = 128, 64
@@ -162,7 +162,7 @@ def both_layouts(t: Tensor, block_r: int = BOTH_BLOCK_R, block_c: int = BOTH_BLO
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Contiguous [E, R, C] -> (q_rows [E, R, C], scale [E, R]) along C and (q_cols [E, C, R], scale [E, C]) along R.
 
-    The scales come from fp8_rowwise_quant.scale_from_amax between the two kernels, so they are the reference's
+    The scales come from quant.scale_from_amax between the two kernels, so they are the reference's
     bit for bit and the kernel quantizes with exactly the scales it returns.
     """
     experts, r, c = t.shape

@@ -1,8 +1,8 @@
 """The linear op family, one per recipe: moepass::<recipe>_linear and its two backward GEMMs as separate ops.
 
 y = x @ W.T (+ b); dgrad: grad_x = grad_out @ W (operands scaled along N); wgrad: grad_W = grad_out.T @ x
-(operands scaled along tokens). The recipe (op_recipe.OpRecipe) supplies the three GEMMs; this module
-gives every recipe the same schemas, argument checks (fake and real impls both run them, so a bad call
+(operands scaled along tokens). The recipe's ops module supplies the three GEMMs (op_recipe.RecipeGemms); this
+module gives every recipe the same schemas, argument checks (fake and real impls both run them, so a bad call
 fails at compile time), fake implementations and autograd, whose backward calls the dgrad / wgrad ops so
 AOTAutograd's backward graph shows them.
 """
@@ -14,70 +14,79 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moepass.op_registry import register_gemm
+from moepass.recipes.base import Recipe
+
 from .gemm_args import check_bf16
-from .op_recipe import OpRecipe, RecipeGemms, define_op, split_forward_args
+from .op_recipe import RecipeGemms, check_dims, define_op, split_forward_args
 from .sharding import register_gemm_sharding
 
+GEMMS = {"linear": "forward", "linear_dgrad": "dgrad", "linear_wgrad": "wgrad"}  # op -> which of the three
 
-def _check_operands(recipe: OpRecipe, op: str, name: str, t: Tensor, weight: Tensor, args: tuple) -> None:
+
+def _check_operands(recipe: Recipe, gemms: RecipeGemms, op: str, name: str, t: Tensor, weight: Tensor,
+                    args: tuple) -> None:
     check_bf16(op, **{name: t}, weight=weight)
-    recipe.check(t.device, False, args)
+    gemms.check_settings(t.device, False, *args)
     if weight.dim() != 2 or t.dim() < 1:
         raise ValueError(f"{op}: weight must be [N, K] and {name} [..., D], "
                          f"got {name} {tuple(t.shape)}, weight {tuple(weight.shape)}")
 
 
-def check_forward(recipe: OpRecipe, x: Tensor, weight: Tensor, bias: Optional[Tensor], args: tuple) -> None:
+def check_forward(recipe: Recipe, gemms: RecipeGemms, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                  args: tuple) -> None:
     op = recipe.op_name("linear")
-    _check_operands(recipe, op, "x", x, weight, args)
+    _check_operands(recipe, gemms, op, "x", x, weight, args)
     check_bf16(op, bias=bias)
     n, k = weight.shape
     if x.shape[-1] != k or (bias is not None and tuple(bias.shape) != (n,)):
         raise ValueError(f"{op}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not form x @ weight.T + bias")
-    recipe.check_dims(op, K=k, N=n)  # N: dgrad contracts over it
+    check_dims(recipe, op, K=k, N=n)  # N: dgrad contracts over it
 
 
-def check_dgrad(recipe: OpRecipe, grad_out: Tensor, weight: Tensor, args: tuple) -> None:
+def check_dgrad(recipe: Recipe, gemms: RecipeGemms, grad_out: Tensor, weight: Tensor, args: tuple) -> None:
     op = recipe.op_name("linear_dgrad")
-    _check_operands(recipe, op, "grad_out", grad_out, weight, args)
+    _check_operands(recipe, gemms, op, "grad_out", grad_out, weight, args)
     n, k = weight.shape
     if grad_out.shape[-1] != n:
         raise ValueError(f"{op}: grad_out {tuple(grad_out.shape)} does not match weight {tuple(weight.shape)}")
-    recipe.check_dims(op, K=k, N=n)
+    check_dims(recipe, op, K=k, N=n)
 
 
-def check_wgrad(recipe: OpRecipe, grad_out: Tensor, x: Tensor, args: tuple) -> None:
+def check_wgrad(recipe: Recipe, gemms: RecipeGemms, grad_out: Tensor, x: Tensor, args: tuple) -> None:
     op = recipe.op_name("linear_wgrad")
     check_bf16(op, grad_out=grad_out, x=x)
-    recipe.check(x.device, False, args)
+    gemms.check_settings(x.device, False, *args)
     if grad_out.dim() < 1 or grad_out.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"{op}: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} "
                          "must share leading (token) dims")
-    recipe.check_dims(op, K=x.shape[-1], N=grad_out.shape[-1])
+    check_dims(recipe, op, K=x.shape[-1], N=grad_out.shape[-1])
 
 
-def define_linear_ops(recipe: OpRecipe, gemms: RecipeGemms) -> None:
-    """Register moepass::<recipe>_linear, _linear_dgrad and _linear_wgrad with fakes and autograd."""
-    settings = list(recipe.settings)
+def define_linear_ops(recipe: Recipe, gemms: RecipeGemms) -> None:
+    """Register moepass::<recipe>_linear, _linear_dgrad and _linear_wgrad with fakes, autograd, DTensor strategies,
+    and their roles in moepass.op_registry."""
+    settings = list(recipe.op_settings)
 
     def gemm_args(args: tuple) -> tuple:  # the forward's (*settings, wgrad_bf16, kernel) -> (*settings, kernel)
         return split_forward_args(args)[0]
 
     op = define_op(recipe.op_name("linear"),
                    ["Tensor x", "Tensor weight", "Tensor? bias", *settings, "bool wgrad_bf16", "str kernel"],
-                   check=lambda x, w, b, *args: check_forward(recipe, x, w, b, gemm_args(args)),
+                   check=lambda x, w, b, *args: check_forward(recipe, gemms, x, w, b, gemm_args(args)),
                    compute=lambda x, w, b, *args: gemms.forward(x, w, b, *gemm_args(args)),
                    output=lambda x, w, b, *args: x.new_empty(*x.shape[:-1], w.shape[0]))
     define_op(recipe.op_name("linear_dgrad"), ["Tensor grad_out", "Tensor weight", *settings, "str kernel"],
-              check=lambda g, w, *args: check_dgrad(recipe, g, w, args), compute=gemms.dgrad,
+              check=lambda g, w, *args: check_dgrad(recipe, gemms, g, w, args), compute=gemms.dgrad,
               output=lambda g, w, *args: g.new_empty(*g.shape[:-1], w.shape[1]))
     define_op(recipe.op_name("linear_wgrad"), ["Tensor grad_out", "Tensor x", *settings, "str kernel"],
-              check=lambda g, x, *args: check_wgrad(recipe, g, x, args), compute=gemms.wgrad,
+              check=lambda g, x, *args: check_wgrad(recipe, gemms, g, x, args), compute=gemms.wgrad,
               output=lambda g, x, *args: x.new_empty(g.shape[-1], x.shape[-1]))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
-    for gemm in ("linear", "linear_dgrad", "linear_wgrad"):  # tensor parallelism: DTensor runs them on shards
+    for gemm, role in GEMMS.items():  # tensor parallelism: DTensor runs them on shards
         register_gemm_sharding(recipe.op(gemm).default, gemm, recipe.multiple)
+        register_gemm(recipe.op(gemm), "linear", role)
 
 
 def _setup_context(ctx, inputs, output):
@@ -87,7 +96,7 @@ def _setup_context(ctx, inputs, output):
     ctx.gemm_args, ctx.wgrad_bf16 = split_forward_args(tuple(args))
 
 
-def _backward_of(recipe: OpRecipe):
+def _backward_of(recipe: Recipe):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None

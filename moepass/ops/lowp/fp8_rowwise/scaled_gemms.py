@@ -1,6 +1,6 @@
 """The FP8 GEMM primitives: torch._scaled_mm / torch._scaled_grouped_mm with rowwise scales, and their settings.
 
-A leaf: the FP8-rowwise ops, their plain-torch decomposition (fp8_rowwise_decomp) and the benchmarks all
+A leaf: the FP8-rowwise ops, their plain-torch decomposition (decomp) and the benchmarks all
 import these, and it imports none of them. Scales passed in are multipliers (q = t * scale); the GEMMs
 take their reciprocals, torch._scaled_mm's dequantization convention.
 """

@@ -3,7 +3,7 @@
 scale = 2^floor(log2(448 / max(amax, 1e-12))), q = e4m3(clamp(t * scale, -448, 448)); the GEMMs take
 1 / scale, torch._scaled_mm's convention. These are the numerics of torchao's rowwise Triton kernels
 with round_scales_to_power_of_2=True, written once here in plain torch (kernel "emulated", and the
-"scaled_mm" path Inductor fuses: fp8_rowwise_decomp) and dispatched to those kernels (the grouped ops'
+"scaled_mm" path Inductor fuses: decomp) and dispatched to those kernels (the grouped ops'
 eager "scaled_mm" path), which also lay the data out as the FP8 GEMMs read it.
 Power-of-two scales make dequantization exact: the emulated BF16 GEMM sees the tensor cores' operands.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .formats import E4M3, E4M3_MAX
+from ..formats import E4M3, E4M3_MAX
 
 AMAX_EPS = 1e-12  # torchao's floor on amax: an all-zero row gets a finite scale (and zero data)
 _EXPONENT_BITS = 0x7F800000

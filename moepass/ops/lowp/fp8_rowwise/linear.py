@@ -1,11 +1,11 @@
-"""FP8-rowwise linear GEMMs (moepass::fp8_rowwise_linear, _dgrad, _wgrad; the op family is linear.py): the
+"""FP8-rowwise linear GEMMs (moepass::fp8_rowwise_linear, _dgrad, _wgrad; the op family is lowp/linear.py): the
 Hopper-native FP8 recipe.
 
 y = x @ W.T (+ b) with x scaled per row and W per output channel (both along K); dgrad scales grad_out
 per row and W per input channel (both along N); wgrad scales grad_out and x per column (along tokens).
-Every scale is a power of two (fp8_rowwise_quant); the GEMMs are torch._scaled_mm on sm_89+
+Every scale is a power of two (quant); the GEMMs are torch._scaled_mm on sm_89+
 (kernel "scaled_mm") or exact dequantization and a BF16 GEMM (kernel "emulated", same numerics).
-Kernel "scaled_mm" runs fp8_rowwise_decomp's plain-torch quantization: eagerly here, and fused by Inductor
+Kernel "scaled_mm" runs decomp's plain-torch quantization: eagerly here, and fused by Inductor
 when the moepass backend decomposes these ops (so eager and compiled share one definition, no autotuning).
 """
 
@@ -16,11 +16,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import fp8_rowwise_decomp as decomp
-from . import fp8_rowwise_quant as quant
-from .fp8_rowwise_recipe import FP8_ROWWISE
-from .linear import define_linear_ops
-from .op_recipe import RecipeGemms
+from moepass.recipes.fp8_rowwise import FP8_ROWWISE
+
+from ..linear import define_linear_ops
+from ..op_recipe import RecipeGemms
+from . import decomp, quant
+from .kernels import check_settings
 
 
 def _emulated_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:
@@ -70,4 +71,4 @@ def wgrad(grad_out: Tensor, x: Tensor, kernel: str) -> Tensor:
     return _emulated_mm(g_q.t(), g_scale.reshape(-1, 1), x_q, x_scale)
 
 
-define_linear_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad))
+define_linear_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad, check_settings))

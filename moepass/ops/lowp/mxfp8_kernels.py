@@ -1,4 +1,5 @@
-"""Which MXFP8 implementation can run on a device, and why: native sm_100 kernels or emulation."""
+"""Which MXFP8 implementation can run on a device, and why (native sm_100 kernels or emulation), and the torchao
+settings the ops pass: kernel preference and scale rounding."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import functools
 
 import torch
 
-from .device_arch import probe
+from moepass.device_arch import probe
 
 KERNELS = ("emulated", "sm100")
+SCALE_ROUNDINGS = ("rceil", "floor")
 EMULATED_FALLBACK = "use kernel='emulated' (torchao emulated MXFP8 numerics, runs on CPU and any CUDA GPU)"
 
 
@@ -60,3 +62,22 @@ def kernel_preference(kernel: str):
     from torchao.quantization.quantize_.common import KernelPreference
 
     return KernelPreference.AUTO if kernel == "sm100" else KernelPreference.EMULATED
+
+
+def scale_mode(scale_rounding: str):
+    """torchao ScaleCalculationMode for a scale_rounding name."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    return ScaleCalculationMode(scale_rounding)
+
+
+def check_scale_rounding(scale_rounding: str) -> None:
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding={scale_rounding!r} is not one of {SCALE_ROUNDINGS} "
+                         "(torchao ScaleCalculationMode RCEIL / FLOOR)")
+
+
+def check_settings(device: torch.device, grouped: bool, scale_rounding: str, kernel: str) -> None:
+    """The MXFP8 ops' own arguments, checked on every call (fake ones too)."""
+    check_scale_rounding(scale_rounding)
+    require_kernel(kernel, device)

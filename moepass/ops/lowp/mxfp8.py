@@ -1,0 +1,118 @@
+"""The MXFP8 recipe's ops (moepass::mxfp8_linear, mxfp8_grouped_mm and their _dgrad / _wgrad; the op families are
+linear.py and grouped_mm.py; the recipe is moepass.recipes.mxfp8).
+
+Linears mirror torchao's mx_mm: y = x @ W.T + b with x and W quantized to MXFP8 along K; dgrad scales grad_out
+and W along N; wgrad scales grad_out and x along tokens (padded with zero rows to a multiple of 32).
+Grouped GEMMs are built on torchao's _compute_fwd / _compute_dgrad / _compute_wgrad, on token groups padded to
+multiples of 32 rows (mxfp8_token_groups); padding never reaches outputs or gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moepass.recipes.mxfp8 import MXFP8
+
+from .formats import E4M3, MX_BLOCK
+from .grouped_mm import define_grouped_mm_ops
+from .grouped_wgrad_bf16 import as_transposed_layout
+from .linear import define_linear_ops
+from .mxfp8_kernels import check_settings, kernel_preference, scale_mode
+from .mxfp8_token_groups import pad_token_groups, plan_token_group_padding, unpad_token_groups
+from .op_recipe import RecipeGemms
+
+# ---- linears
+
+
+def _to_mx_along_rows(t: Tensor, scale_rounding: str, kernel: str):
+    """MXTensor with 1x32 blocks along the last dim (torchao MXTensor.to_mx, Triton cast on sm100)."""
+    from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    return MXTensor.to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding), kernel_preference(kernel),
+                          mxfp8_dim0_cast_kernel_choice=MXFP8Dim0CastKernelChoice.TRITON)
+
+
+def _to_mx_along_cols(t: Tensor, scale_rounding: str, kernel: str):
+    """MXTensor of t.T with 32x1 blocks down the columns of t (torchao's dim1 cast; CUDA kernel on sm100)."""
+    from torchao.prototype.mx_formats.config import MXFP8Dim1CastKernelChoice
+    from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
+
+    return _to_mxfp8_dim1_kernel_wrapper(t.contiguous(), MX_BLOCK, E4M3, t.dtype, kernel_preference(kernel),
+                                         MXFP8Dim1CastKernelChoice.CUDA, scale_mode(scale_rounding))
+
+
+def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale_rounding: str, kernel: str) -> Tensor:
+    """y = x @ W.T (+ b): x and W scaled along K."""
+    x_mx = _to_mx_along_rows(x.reshape(-1, x.shape[-1]), scale_rounding, kernel)
+    w_mx = _to_mx_along_rows(weight, scale_rounding, kernel)
+    y = torch.mm(x_mx, w_mx.t())
+    if bias is not None:
+        y = y + bias  # bf16 add after the GEMM, as torchao's MXFP8Linear does (its quantize_ path drops bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_dgrad(grad_out: Tensor, weight: Tensor, scale_rounding: str, kernel: str) -> Tensor:
+    """grad_x = grad_out @ W, both scaled along N."""
+    go_mx = _to_mx_along_rows(grad_out.reshape(-1, grad_out.shape[-1]), scale_rounding, kernel)
+    if kernel == "emulated":
+        w_mx = _to_mx_along_rows(weight.t(), scale_rounding, kernel)
+    else:
+        w_mx = _to_mx_along_cols(weight, scale_rounding, kernel)
+    grad_x = torch.mm(go_mx, w_mx.t())
+    return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+
+
+def _pad_tokens(t: Tensor) -> Tensor:
+    """[M, D] -> [round_up(M, 32), D] with zero rows: zeros add nothing to grad_out.T @ x."""
+    return F.pad(t, (0, 0, 0, -t.shape[0] % MX_BLOCK))
+
+
+def linear_wgrad(grad_out: Tensor, x: Tensor, scale_rounding: str, kernel: str) -> Tensor:
+    """grad_W = grad_out.T @ x, both scaled along tokens."""
+    go = _pad_tokens(grad_out.reshape(-1, grad_out.shape[-1]))
+    xr = _pad_tokens(x.reshape(-1, x.shape[-1]))
+    go_t_mx = _to_mx_along_cols(go, scale_rounding, kernel)  # [N, M]
+    x_mx = _to_mx_along_cols(xr, scale_rounding, kernel).t()  # [M, K]
+    return torch.mm(go_t_mx, x_mx)
+
+
+# ---- grouped GEMMs
+
+
+def grouped_forward(x: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, kernel: str) -> Tensor:
+    """out = x[g] @ w_t[g] per token group, both scaled along K."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_fwd
+
+    plan = plan_token_group_padding(offs, x.shape[0])
+    out = _compute_fwd(pad_token_groups(x, plan), as_transposed_layout(w_t), plan.padded_offs, MX_BLOCK,
+                       torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
+    return unpad_token_groups(out, plan)
+
+
+def grouped_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, kernel: str) -> Tensor:
+    """grad_x = grad_out @ w_t[g].T per group, scaled along N."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_dgrad
+
+    plan = plan_token_group_padding(offs, grad_out.shape[0])
+    grad_x = _compute_dgrad(pad_token_groups(grad_out, plan), as_transposed_layout(w_t), plan.padded_offs,
+                            MX_BLOCK, torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
+    return unpad_token_groups(grad_x, plan)
+
+
+def grouped_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, scale_rounding: str, kernel: str) -> Tensor:
+    """grad_w_t[g] = x[g].T @ grad_out[g], scaled along tokens."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_wgrad
+
+    plan = plan_token_group_padding(offs, x.shape[0])
+    grad_w_t = _compute_wgrad(pad_token_groups(grad_out, plan), pad_token_groups(x, plan), plan.padded_offs,
+                              MX_BLOCK, torch.bfloat16, scale_mode(scale_rounding), False, kernel_preference(kernel))
+    return as_transposed_layout(grad_w_t)
+
+
+define_linear_ops(MXFP8, RecipeGemms(linear_forward, linear_dgrad, linear_wgrad, check_settings))
+define_grouped_mm_ops(MXFP8, RecipeGemms(grouped_forward, grouped_dgrad, grouped_wgrad, check_settings))

@@ -1,0 +1,94 @@
+"""What a low-precision recipe is: the one object the planner, the op families, the backend and the cache key ask.
+
+A recipe (mxfp8.py, fp8_rowwise.py) names its ops (moepass::<name>_linear, <name>_grouped_mm and their _dgrad /
+_wgrad, registered when its ops module is imported), states the block K and N must be multiples of, the option
+keys it reads, its kernel per device and GEMM kind ("linear" or "grouped"), the arguments a plan appends to its
+ops, its wgrad_bf16 policy, and what else shapes the compiled code: its Inductor decompositions and their cache
+variant. Recipe modules import nothing from moepass.ops at import time (the ops import them); they reach their
+kernels' device checks lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moepass.skips import Reason, SkipCode
+
+# GEMM kind ("linear": y = x @ W.T; "grouped": MoE expert GEMMs x[M,K] @ w_t[E,K,N] per token group) -> its op family
+FAMILIES = {"linear": "linear", "grouped": "grouped_mm"}
+
+
+class Recipe:
+    name: str  # the ops' name prefix and the `recipe` option's value
+    ops_module: str  # importing it registers the recipe's ops
+    multiple: int  # K and N must be multiples of it (its block, or its kernels' alignment)
+    multiple_why: str  # for the ops' error messages
+    op_settings: tuple[str, ...] = ()  # schema of its own op arguments, before `bool wgrad_bf16, str kernel`
+    options: tuple[str, ...] = ()  # the option keys it reads
+    decomposition_options: tuple[str, ...] = ()  # options that shape compiled code through its decompositions only
+    decomposed_gemms: tuple[str, ...] = ()  # aten GEMMs its decompositions leave in compiled graphs
+
+    @property
+    def kernel_option(self) -> str:
+        return f"{self.name}.kernel"
+
+    @property
+    def wgrad_option(self) -> str:
+        return f"{self.name}.wgrad_bf16"
+
+    # ---- its ops
+
+    def op_name(self, gemm: str) -> str:
+        """gemm: "linear", "linear_dgrad", "grouped_mm_wgrad", ... -> the op's name under torch.ops.moepass."""
+        return f"{self.name}_{gemm}"
+
+    def op(self, gemm: str):
+        return getattr(torch.ops.moepass, self.op_name(gemm))
+
+    def forward_op_name(self, kind: str) -> str:
+        """The forward op a GEMM of `kind` becomes."""
+        return self.op_name(FAMILIES[kind])
+
+    # ---- what the planner asks
+
+    def shape_problem(self, k, n) -> Reason | None:
+        """None when its kernels take K and N (positive multiples of `multiple`), else what is off."""
+        if k == 0 or n == 0:  # 0 is a multiple of anything, but there is nothing to quantize (a zero-width expert)
+            return Reason(SkipCode.EMPTY_GEMM, f"{self.name}: empty GEMM (K={k}, N={n}): nothing to quantize")
+        bad = [f"{name}={v} not a multiple of {self.multiple}" for name, v in (("K", k), ("N", n))
+               if not isinstance(v, int) or v % self.multiple]
+        return Reason(SkipCode.NOT_A_MULTIPLE, f"{self.name}: {', '.join(bad)}") if bad else None
+
+    def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str, str]:
+        """(kernel, why) for a GEMM of `kind` on `device`, honouring the `<name>.kernel` option's value."""
+        raise NotImplementedError
+
+    def kernel(self, config, device: torch.device | str, kind: str) -> tuple[str, str]:
+        return self.choose_kernel(config[self.kernel_option], device, kind)
+
+    def choose_wgrad_bf16(self, requested, kind: str) -> tuple[bool, str]:
+        """(weight gradient in BF16?, why, "" when there is nothing to say) for the `<name>.wgrad_bf16` value."""
+        return requested, ""
+
+    def wgrad_bf16(self, config, kind: str) -> tuple[bool, str]:
+        return self.choose_wgrad_bf16(config[self.wgrad_option], kind)
+
+    def settings(self, config) -> tuple:
+        """The values of `op_settings` under `config`."""
+        return ()
+
+    # ---- what the backend and the cache key ask
+
+    def decompositions(self, config) -> dict:
+        """{OpOverload: decomposition} for Inductor under `config` (and the fallbacks they need registered)."""
+        return {}
+
+    def cache_variant(self, config) -> str:
+        """Its `decomposition_options` set away from their defaults: the decompositions are in no cache key."""
+        from moepass.options import OPTIONS
+
+        defaults = {o.key: o.default for o in OPTIONS}
+        return "+".join(f"{key}={config[key]}" for key in self.decomposition_options if config[key] != defaults[key])
+
+    def __repr__(self) -> str:
+        return f"<recipe {self.name}>"

@@ -1,0 +1,128 @@
+"""Why a pass leaves a node alone: one code per reason a user can act on, each with its why and its fix.
+
+A pass records a skip as a `Reason`: its code and the text the report shows (which names the node's own values:
+"K=48 not a multiple of 32"). `phrase` is a substring of every text recorded under the code (the tests check it),
+so the README's table (moepass.left_alone) reads as "reason contains". The order here is the table's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class SkipCode(enum.Enum):
+    def __init__(self, passes: str, phrase: str, why: str, fix: str):
+        self.passes = passes  # which pass(es) give it: "linear", "grouped_mm", "both" (of those two), "deepep"
+        self.phrase = phrase
+        self.why = why
+        self.fix = fix
+
+    # ---- low-precision GEMM passes (linear, grouped_mm)
+    ROUTER_GATE = ("linear", "router gate", "its scores pick the experts; quantization noise would flip routing",
+                   "`lowp.keep_router_bf16: false` to quantize it anyway")
+    OUTPUT_HEAD = ("linear", "output head", "the vocabulary projection (no GEMM or residual add after it in its "
+                   "graph; the last GEMM before a graph break looks the same)", "`lowp.keep_output_head_bf16: false`")
+    EXCLUDED = ("both", "excluded by lowp.exclude", "your exclude pattern matches its module path",
+                "edit `lowp.exclude`")
+    NOT_INCLUDED = ("both", "matches no lowp.include", "your include patterns miss its module path",
+                    "edit `lowp.include` (paths are state_dict names: `layers.3.moe.experts`)")
+    NOT_BF16 = ("both", "not bfloat16", "only BF16 GEMMs are rewritten (an fp32 router, an fp32 model)",
+                "train in bfloat16 (`model.to(torch.bfloat16)`)")
+    NOT_A_MULTIPLE = ("both", "not a multiple of", "the kernels need K and N in whole blocks (32 for MXFP8, 16 for "
+                      "FP8 rowwise)", "pad the hidden or intermediate size")
+    EMPTY_GEMM = ("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-")
+    NOT_2D_WEIGHT = ("linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-")
+    NOT_MOE_FORM = ("grouped_mm", "only the MoE form", "a grouped GEMM that is not x[M,K] @ w[E,K,N] with group "
+                    "offsets (a batched 3-D x 3-D product)", "-")
+    GROUPED_BIAS = ("grouped_mm", "with bias", "grouped GEMMs with bias are not supported", "-")
+    OUT_DTYPE = ("grouped_mm", "out_dtype=", "a non-BF16 output was asked for", "-")
+    OFFS_NOT_INT32 = ("grouped_mm", "offs is", "group offsets are not int32", "`torch.cumsum(..., dtype=torch.int32)`")
+    LEFT_IN_BF16 = ("both", "left in BF16:", "recipe auto on this GPU: no FP8 tensor cores, or FP8 measured slower "
+                    "than BF16 at this size and token count (moepass/recipes/fp8_auto_table_h200.json, or the size "
+                    "rule recipes.auto.FP8_ROWWISE_MIN for shapes it does not hold)",
+                    "`recipe: fp8_rowwise` (or `mxfp8`) to force it")
+    NO_METADATA = ("both", "no recorded tensor metadata", "Dynamo recorded no shape for an operand", "report it: a bug")
+    TP_UNEVEN = ("both", "splits unevenly", "tensor parallelism shards a dim unevenly over the mesh: the "
+                 "low-precision blocks need equal shards", "sizes divisible by the tensor-parallel degree")
+    TP_PLACEMENTS = ("both", "tensor parallelism:", "the GEMM's DTensor operands are mixed with plain tensors, on "
+                     "different meshes, or placed in a layout the ops' sharding strategies do not take as it is "
+                     "(rewriting would add communication)", "the colwise / rowwise / sequence-parallel plans of "
+                     "`torch.distributed.tensor.parallel`")
+    # ---- deepep
+    NOT_A_PAIR = ("deepep", "not part of a dispatch/combine pair", "an all-to-all that is not an MoE token exchange "
+                  "(no later all-to-all sends the rows back)", "-")
+    NO_COUNTS_EXCHANGE = ("deepep", "no counts all-to-all", "the token all-to-all's split sizes do not come from "
+                          "exchanged per-expert counts", "-")
+    BINCOUNT_LENGTH = ("deepep", "bincount's length is data dependent", "`bincount(ids, minlength=E)` has "
+                       "max(E, max(ids) + 1) entries; moepass proves it is E only when the ids provably lie in [0, E) "
+                       "(top-k, argmax or argsort indices over E experts, `% E`, `.clamp(0, E - 1)`, through views, "
+                       "casts and gathers); the reason says where the proof stopped", "pass `minlength=E` and derive "
+                       "the ids from the router's top-k over E experts, add `torch._check(counts.size(0) == E)` after "
+                       "the bincount, or count with `zeros(E).scatter_add_(0, ids, ones)`")
+    NOT_COUNT_PER_EXPERT = ("deepep", "count per expert", "the counts exchange does not send an integer count per "
+                            "expert", "exchange `tokens_per_expert` ([E] or [ranks, E/ranks])")
+    EXPERTS_UNEVEN = ("deepep", "not split evenly", "experts are not split evenly over the ranks",
+                      "a number of experts divisible by the EP size")
+    NO_TOPK_IDS = ("deepep", "top-k expert ids", "no integer [T, K] tensor feeds both the counts and the rows sent",
+                   "-")
+    NO_TOKEN_ROWS = ("deepep", "could not find the token rows x", "the rows sent are not gathered from one [T, D] "
+                     "tensor", "-")
+    SLOTS_DROPPED = ("deepep", "top-k slots per expert", "slots are dropped (capacity factor) or padding rows are "
+                     "sent: DeepEP sends every (token, expert) slot", "turn token dropping off")
+    SPLITS_NOT_RANK_SUMS = ("deepep", "split sizes are not the per-rank sums", "split sizes that are not the rows "
+                            "per rank", "-")
+    ROWS_NOT_X = ("deepep", "rows sent are not x[token]", "the rows sent are transformed (beyond a routing weight) "
+                  "or not sorted by expert", "-")
+    ROWS_BACK_NOT_COMPUTED = ("deepep", "rows sent back are not computed", "the combine does not send the experts' "
+                              "output back", "-")
+    READS_ROW_COUNT = ("deepep", "read the received row count", "Dynamo traced the experts' row count as the "
+                       "split-size sum, which the rewrite cannot supply",
+                       "derive it from the group sizes: `int(group_sizes.sum())`")
+    NOT_COMPUTED_FROM = ("deepep", "not computed from", "the index code reads something besides the routing and the "
+                         "counts (or failed on a sample routing: the reason says which node)", "-")
+    NOT_A_PERMUTATION = ("deepep", "not a permutation of the received rows", "the receiver pads or drops rows "
+                         "(torchao's permute_and_pad, torchtitan's MXFP8 dispatcher)",
+                         "not supported yet: use the unpadded dispatcher")
+    NOT_GROUPED = ("deepep", "does not group the received rows", "the experts' input is not grouped by local expert",
+                   "-")
+    NOT_UNPERMUTED = ("deepep", "un-permuted", "the rows sent back are not the experts' output in received order", "-")
+    READS_RECEIVED_ROWS = ("deepep", "read the received rows other than", "the experts read the received rows "
+                           "directly, not only through their expert-major input", "-")
+    GROUP_SIZES = ("deepep", "group sizes", "the experts' group sizes are not the received rows per local expert "
+                   "(padded, or from elsewhere)", "-")
+    NOT_SLOT_SUM = ("deepep", "not the sum of each token's K returned rows", "the combine averages, or weights "
+                    "differently than once per slot", "-")
+    NO_RESULT = ("deepep", "result computed from the returned rows", "no token-shaped result is a sum of the returned "
+                 "rows with one routing-weight tensor (e.g. no routing weights at all)", "-")
+    VALUE_ESCAPES = ("deepep", "inside the EP region) is also used by", "a value between the two exchanges is read "
+                     "outside the region (logged, stored, returned)", "read it outside the compiled region, or drop it")
+    TOO_NARROW = ("deepep", "too narrow", "rows narrower than the digits that identify a token in the checks", "-")
+    DYNAMIC_RESULT_SHAPE = ("deepep", "dynamic token count is neither", "a dynamic-shape result shaped neither "
+                            "[T, D] nor like x", "-")
+    UNSAMPLED_SIZE = ("deepep", "cannot be sampled", "a size with a symbol the checks cannot give a value", "-")
+    DEEPEP_BF16 = ("deepep", "DeepEP takes bfloat16", "DeepEP sends bfloat16 tokens only",
+                   "bf16 tokens, or `deepep.backend: reference`")
+    NO_DYNAMIC_SHAPES = ("deepep", "capture_dynamic_output_shape_ops is off", "the received row count could not be "
+                         "traced", "do not reset torch._dynamo.config after importing moepass")
+    WEIGHTS_NOT_SCALING = ("deepep", "do not scale them", "routing weights reach the rows sent without multiplying "
+                           "them (or multiply them without reaching them as the checks see it)", "-")
+    NOT_IDENTIFIED = ("deepep", "were not identified", "the analysis named no result or routing weights for the "
+                      "region", "report it: a bug")
+    ANALYSIS_ERROR = ("deepep", "could not analyse the region", "an unexpected error in the analysis",
+                      "report it: a bug")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """Why one node is left alone: its code and the text the report shows."""
+
+    code: SkipCode
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+    def plus(self, more: str) -> Reason:
+        """The same reason with `more` appended to its text."""
+        return Reason(self.code, self.text + more)

@@ -1,0 +1,110 @@
+"""moepass/recipes/: one object per low-precision recipe, a registry, and a planner that names none of them."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import moepass
+import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
+import moepass.passes
+from moepass.options import OPTIONS, Config
+from moepass.recipes import RECIPES, Recipe, cache_variant, decomposed_gemms, decompositions
+from moepass.recipes.plan import GemmPlan, plan_gemm
+from moepass.skips import Reason, SkipCode
+
+MOEPASS = pathlib.Path(moepass.__file__).parent
+_OPTION = {o.key: o for o in OPTIONS}
+
+
+def test_the_recipe_option_offers_auto_and_every_registered_recipe():
+    assert _OPTION["recipe"].choices == ("auto", *RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_reads_exactly_the_options_named_after_it(name):
+    recipe = RECIPES[name]
+    assert recipe.name == name and set(recipe.options) <= set(_OPTION)
+    assert {k for k in _OPTION if k.startswith(f"{name}.")} == set(recipe.options)
+    assert {recipe.kernel_option, recipe.wgrad_option, *recipe.decomposition_options} <= set(recipe.options)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipes_ops_have_its_settings_and_its_alignment(name):
+    recipe = RECIPES[name]
+    settings = recipe.settings(Config.from_options({}))
+    assert len(settings) == len(recipe.op_settings)
+    w = torch.zeros(recipe.multiple + 8, recipe.multiple, dtype=torch.bfloat16)  # N not a multiple of the block
+    with pytest.raises(ValueError, match=rf"N={recipe.multiple + 8} is not a multiple of {recipe.multiple}"):
+        recipe.op("linear")(torch.zeros(4, recipe.multiple, dtype=torch.bfloat16), w, None, *settings, False,
+                            "emulated")
+    assert recipe.shape_problem(recipe.multiple, 2 * recipe.multiple) is None
+    assert recipe.shape_problem(recipe.multiple + 8, recipe.multiple).code is SkipCode.NOT_A_MULTIPLE
+
+
+def test_decompositions_and_cache_variant_come_from_the_recipes():
+    config = Config.from_options({})
+    table = decompositions(config)
+    assert table and all(op.namespace == "moepass" for op in table)
+    assert set(table) == {op for r in RECIPES.values() for op in r.decompositions(config)}
+    assert cache_variant(config) == ""
+    changed = Config.from_options({"fp8_rowwise.linear_weights_once": True})
+    assert cache_variant(changed) == "fp8_rowwise.linear_weights_once=True"
+    assert decompositions(changed)[torch.ops.moepass.fp8_rowwise_linear.default] is not \
+        table[torch.ops.moepass.fp8_rowwise_linear.default]
+    assert decomposed_gemms() == {"_scaled_mm", "_scaled_grouped_mm"}
+
+
+class _StubRecipe(Recipe):
+    """A recipe the planner has never heard of: what it asks, it asks the object."""
+
+    name = "stub"
+    ops_module = "nowhere"
+    multiple = 8
+    multiple_why = "the stub's block"
+    op_settings = ("int block",)
+    options = ("stub.kernel", "stub.wgrad_bf16", "stub.block")
+
+    def choose_kernel(self, requested, device, kind):
+        return f"{requested}-{kind}", f"stub kernel on {device}"
+
+    def choose_wgrad_bf16(self, requested, kind):
+        return requested, "stub wgrad"
+
+    def settings(self, config):
+        return (config["stub.block"],)
+
+
+def test_the_planner_is_generic_over_the_registry(monkeypatch):
+    monkeypatch.setitem(RECIPES, "stub", _StubRecipe())
+    config = {"recipe": "stub", "stub.kernel": "fast", "stub.wgrad_bf16": True, "stub.block": 4}
+    plan = plan_gemm(config, "grouped", torch.device("cpu"), 64, 16, 24, experts=2)
+    assert plan == GemmPlan("stub", "recipe='stub' requested; stub wgrad", "fast-grouped", "stub kernel on cpu",
+                            "stub_grouped_mm", (4, True, "fast-grouped"))
+    problem = plan_gemm(config, "linear", torch.device("cpu"), 64, 12, 24)
+    assert problem == Reason(SkipCode.NOT_A_MULTIPLE, "stub: K=12 not a multiple of 8")
+
+
+def test_recipe_auto_leaving_a_gemm_in_bf16_is_a_coded_reason(monkeypatch):
+    from moepass.recipes import plan
+
+    monkeypatch.setattr(plan, "choose_recipe", lambda *args: ("bf16", "left in BF16: measured slower"))
+    reason = plan_gemm(Config.from_options({}), "linear", torch.device("cpu"), 64, 32, 32)
+    assert reason == Reason(SkipCode.LEFT_IN_BF16, "left in BF16: measured slower")
+
+
+def test_the_engine_names_no_recipe():
+    """Recipe names appear only in the recipes' own modules, the auto choice, and the options table."""
+    allowed = {MOEPASS / "options.py", MOEPASS / "cli.py", MOEPASS / "recipes" / "auto.py",
+               *(MOEPASS / "recipes" / f"{name}.py" for name in RECIPES)}
+    passes = pathlib.Path(moepass.passes.__file__).parent
+    found = []
+    for path in [*MOEPASS.rglob("*.py"), *passes.glob("*.py")]:
+        if "harness" in path.parts or path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in RECIPES:
+                found.append(f"{path.relative_to(MOEPASS.parent)}:{node.lineno} {node.value!r}")
+    assert found == []
+
