@@ -60,9 +60,11 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
         return collect.reporting_runs(gm.forward, record)
     from torch._inductor.compile_fx import compile_fx
 
+    # the recipes' "auto" decomposition options decided for this graph (weights sharded by FSDP2 or not)
+    settled = recipes.settle(config, record.weights_sharded)
     # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid; each
     # compiled graph (the forward now, the backward at the first backward) saves the report again
-    audit = CompiledGraphAudit(record.compiled, variant=recipes.cache_variant(config),
+    audit = CompiledGraphAudit(record.compiled, variant=recipes.cache_variant(settled),
                                on_compiled=lambda: collect.save_graph(report, held))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
     patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
@@ -71,7 +73,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
 
     # the recipes' decompositions over Inductor's table (FP8-rowwise "scaled_mm" ops become plain torch here, so
     # Inductor fuses their quantization)
-    decompositions = {**select_decomp_table(), **recipes.decompositions(config)}
+    decompositions = {**select_decomp_table(), **recipes.decompositions(settled)}
     compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
     return collect.reporting_runs(compiled, record)
 

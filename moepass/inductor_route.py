@@ -130,6 +130,12 @@ class RouteAudit(CustomGraphPass):
         return CompiledGraphAudit(variant=self.variant).uuid()
 
 
+def _settled(config: Config) -> Config:
+    """The recipes' "auto" options decided once for the process: the table is installed before any graph is seen,
+    so as if the weights were sharded by FSDP2 (torchtitan's default; a saved FP8 weight copy would undo it)."""
+    return recipes.settle(config, weights_sharded=True)
+
+
 class _Installation:
     """What install() set, and the values it replaced."""
 
@@ -137,7 +143,7 @@ class _Installation:
         self.config = config
         self.pre_grad = MoepassPreGradPass(config)
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
-                         "post_grad_custom_post_pass": RouteAudit(self.pre_grad, recipes.cache_variant(config)),
+                         "post_grad_custom_post_pass": RouteAudit(self.pre_grad, recipes.cache_variant(_settled(config))),
                          "joint_custom_pre_pass": SaveEPExchanges()}
         self.dynamo = dict(DYNAMO_FLAGS)
         self.decompositions: dict = {}
@@ -190,7 +196,7 @@ def install(options: dict | None = None) -> Config:
     for flag, value in state.dynamo.items():
         state.set(torch._dynamo.config, flag, value)
     # the backend passes these as compile_fx(decompositions=); under backend="inductor" the default table is read
-    state.decompositions = recipes.decompositions(config)
+    state.decompositions = recipes.decompositions(_settled(config))
     inductor_table.update(state.decompositions)
     _forget_cached_table()
     global _installed

@@ -64,6 +64,25 @@ class ModuleIndex:
         return ".".join(p for p in reversed(parts) if p not in WRAPPER_ATTRS)
 
 
+    def lineage(self, key: str) -> list[nn.Module]:
+        """The live module under `key` and its parents up to the top of its model ([] when not found)."""
+        try:
+            module_id = int(key.split("@")[0])
+        except ValueError:
+            return []
+        if self._modules is None:
+            self._scan()
+        found, seen = [], set()
+        while module_id in self._modules and module_id not in seen:
+            seen.add(module_id)
+            found.append(self._modules[module_id])
+            owners = self._parents.get(module_id, [])
+            if not owners:
+                break
+            module_id = id(owners[0][0])
+        return found
+
+
 @contextlib.contextmanager
 def indexing():
     """Resolve module paths through the live modules while the block runs (one backend call)."""
@@ -77,3 +96,8 @@ def indexing():
 def resolve(key: str) -> str | None:
     index = _current.get()
     return index.path(key) if index is not None else None
+
+
+def lineage(key: str) -> list[nn.Module]:
+    index = _current.get()
+    return index.lineage(key) if index is not None else []

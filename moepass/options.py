@@ -115,24 +115,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8_rowwise.wgrad_bf16", "auto", "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe; "
            "auto = per GEMM kind as measured on Hopper (grouped expert GEMMs BF16, linears FP8)",
            choices=("auto", True, False)),
-    # Off by default for memory: the saved dgrad layout is the unsharded weight, so under FSDP2 every block's
-    # gathered experts (1 byte per element) stay alive from forward to backward instead of being resharded.
-    Option("fp8_rowwise.expert_weights_once", False, "quantize each expert weight once per step into both FP8 "
-           "layouts (one Triton pass; the dgrad's is saved for the backward: 1 byte per expert weight element, "
-           "unsharded under FSDP2). 671B dims on an H200: step 1.3% faster, +4.2 GB peak memory "
-           "(examples/results/bench_671B_l3_wgrad_once_h200/)", choices=(True, False)),
-    # Off: it trades Inductor's fusion of each quantization into the operand's producer for two reads of the
-    # materialized operand by moepass's kernels; on an H200 that was faster at 16B shapes, slower at 671B ones,
-    # and the 16B step moved within its noise (examples/results/README.md, fourth pass).
-    Option("fp8_rowwise.linear_both_layouts", "none", "quantize a linear's gradient (grads) and input (inputs) "
+    # The three below take the FP8-rowwise quantizations out of Inductor's graph (one op writes both layouts an
+    # operand's two GEMMs read): cold compile at 671B dims, 5 layers, one H200 from 3.3x Inductor's to 1.33x, the
+    # step 1.14x Inductor's as before (examples/results/README.md, compile time). "auto" turns the weights' ones
+    # off under FSDP2: the saved FP8 copy of each gathered weight would outlive FSDP's reshard until the backward.
+    Option("fp8_rowwise.expert_weights_once", "auto", "quantize each expert weight once per step into both FP8 "
+           "layouts (one Triton pass; the dgrad's is saved for the backward: 1 byte per expert weight element); "
+           "auto = on unless the weights are sharded by FSDP2 (fully_shard), whose reshard the saved copy would undo",
+           choices=("auto", True, False)),
+    Option("fp8_rowwise.linear_both_layouts", "auto", "quantize a linear's gradient (grads) and input (inputs) "
            "once into both FP8 layouts its two GEMMs read (per token and per channel; two reads by moepass's Triton "
            "kernels, the input's per-channel half saved for the wgrad in FP8) instead of twice, each fused into "
-           "its producer by Inductor; needs the FP8 wgrad (fp8_rowwise.wgrad_bf16 not true). 16B on an H200: "
-           "step 1.03x vs all's 1.02x, within noise (examples/results/bench_16B_l4_both_layouts_h200/)",
-           choices=("none", "grads", "grads_and_inputs")),
-    Option("fp8_rowwise.linear_weights_once", False, "quantize each linear weight once per step into both FP8 "
+           "its producer by Inductor; needs the FP8 wgrad; auto = grads_and_inputs when the linears' wgrad is FP8",
+           choices=("auto", "none", "grads", "grads_and_inputs")),
+    Option("fp8_rowwise.linear_weights_once", "auto", "quantize each linear weight once per step into both FP8 "
            "layouts its forward and dgrad read (moepass's Triton kernels, two reads; the dgrad's half saved for the "
-           "backward: 1 byte per weight element) instead of twice by Inductor", choices=(True, False)),
+           "backward: 1 byte per weight element) instead of twice by Inductor; auto = on unless the weights are "
+           "sharded by FSDP2", choices=("auto", True, False)),
     Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
            choices=("rceil", "floor")),
     Option("mxfp8.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 (dgrad and forward stay MXFP8)",
@@ -171,6 +170,10 @@ class Config:
     @property
     def pipeline(self) -> tuple[str, ...]:
         return tuple(p for p in PIPELINE if p in self.values["passes"])
+
+    def with_values(self, **values: Any) -> "Config":
+        """This config with some values settled (recipes resolving their "auto" options for one graph)."""
+        return dataclasses.replace(self, values={**self.values, **values})
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v
@@ -220,7 +223,7 @@ class Config:
         values["passes"] = tuple(dict.fromkeys(canonical_pass(p) for p in values["passes"]))
         values["inductor.mode"] = _effective_mode(values["inductor.mode"], mode)
         _check_inductor_patches(values["inductor.options"])
-        if values["fp8_rowwise.linear_both_layouts"] != "none" and values["fp8_rowwise.wgrad_bf16"] is True:
+        if values["fp8_rowwise.linear_both_layouts"] not in ("none", "auto") and values["fp8_rowwise.wgrad_bf16"] is True:
             raise OptionsError("moepass: option 'fp8_rowwise.linear_both_layouts'="
                                f"{values['fp8_rowwise.linear_both_layouts']!r} quantizes for the FP8 wgrad, which "
                                "'fp8_rowwise.wgrad_bf16'=True turns off; set one of them back to its default")

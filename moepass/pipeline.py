@@ -14,6 +14,7 @@ import time
 from torch import fx
 
 from . import module_paths, sac_policy
+from .analysis.fsdp import weights_sharded
 from .analysis.scopes import graph_scopes
 from .graph import op_histogram
 from .options import PIPELINE, Config, canonical_pass
@@ -61,4 +62,5 @@ def _run_passes(gm: fx.GraphModule, example_inputs, config: Config) -> GraphReco
         log.info("moepass pass %s: replaced %d, skipped %d (%.1f ms)",
                  name, len(record.rewrites), len(record.skipped), record.ms)
     sac_policy.show_policies_replaced_gemms(gm)  # a selective-AC policy written for BF16 asks about aten.mm
-    return GraphRecord(0, code_before, code_after, ops_before, op_histogram(gm), records)
+    return GraphRecord(0, code_before, code_after, ops_before, op_histogram(gm), records,
+                       weights_sharded=weights_sharded(gm))

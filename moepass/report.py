@@ -89,6 +89,7 @@ class GraphRecord:
     replayed: bool = False  # run from Dynamo's cache: compiled before the report that holds it began
     origin: GraphOrigin = dataclasses.field(default_factory=GraphOrigin)
     compile_call: int = 0  # which of its report's torch.compile calls (numbered in the order first seen)
+    weights_sharded: bool = False  # its GEMMs' weights are gathered by FSDP2 for the step (analysis.fsdp)
 
     @property
     def module(self) -> str:
@@ -103,7 +104,8 @@ class GraphRecord:
                 "frame": self.origin.frame, "module": self.module, "replayed": self.replayed,
                 "replaced": {p.name: len(p.rewrites) for p in self.passes},
                 "skipped": {p.name: len(p.skipped) for p in self.passes},
-                "compiled": [c["kind"] for c in self.compiled], "files": f"graphs/{self.index}"}
+                "compiled": [c["kind"] for c in self.compiled], "weights_sharded_by_fsdp": self.weights_sharded,
+                "files": f"graphs/{self.index}"}
 
     def where(self) -> str:
         return self.module or self.origin.frame or f"graph {self.index}"

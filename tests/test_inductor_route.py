@@ -212,7 +212,9 @@ def test_fp8_rowwise_decompositions_reach_inductor(scaled_mm_on_cpu):
     forward, backward = compiled_ops(report, "forward"), compiled_ops(report, "backward")
     # backward: both wgrads and the second linear's dgrad (x needs no gradient)
     assert forward.get("aten._scaled_mm") == 2 and backward.get("aten._scaled_mm") == 3, (forward, backward)
-    assert not [op for op in (*forward, *backward) if op.startswith("moepass.")], (forward, backward)
+    # only the kernel that writes an operand's two layouts at once (fp8_rowwise.linear_both_layouts=auto) stays opaque
+    assert not [op for op in (*forward, *backward) if op.startswith("moepass.")
+                and op != "moepass.fp8_rowwise_rows_and_cols"], (forward, backward)
 
 
 def test_decompositions_installed_after_an_earlier_compile_reach_inductor():

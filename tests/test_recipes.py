@@ -10,7 +10,7 @@ import moepass
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 import moepass.passes
 from moepass.options import OPTIONS, Config
-from moepass.recipes import RECIPES, Recipe, cache_variant, decomposed_gemms, decompositions
+from moepass.recipes import RECIPES, Recipe, cache_variant, decomposed_gemms, decompositions, settle
 from moepass.recipes.plan import GemmPlan, plan_gemm
 from moepass.skips import Reason, SkipCode
 
@@ -44,13 +44,15 @@ def test_a_recipes_ops_have_its_settings_and_its_alignment(name):
 
 
 def test_decompositions_and_cache_variant_come_from_the_recipes():
-    config = Config.from_options({})
+    assert cache_variant(Config.from_options({})) == ""  # every option at its default ("auto")
+    config = settle(Config.from_options({"fp8_rowwise.linear_both_layouts": "none",
+                                         "fp8_rowwise.expert_weights_once": False,
+                                         "fp8_rowwise.linear_weights_once": False}), weights_sharded=False)
     table = decompositions(config)
     assert table and all(op.namespace == "moepass" for op in table)
     assert set(table) == {op for r in RECIPES.values() for op in r.decompositions(config)}
-    assert cache_variant(config) == ""
-    changed = Config.from_options({"fp8_rowwise.linear_weights_once": True})
-    assert cache_variant(changed) == "fp8_rowwise.linear_weights_once=True"
+    changed = config.with_values(**{"fp8_rowwise.linear_weights_once": True})
+    assert "fp8_rowwise.linear_weights_once=True" in cache_variant(changed)
     assert decompositions(changed)[torch.ops.moepass.fp8_rowwise_linear.default] is not \
         table[torch.ops.moepass.fp8_rowwise_linear.default]
     assert decomposed_gemms() == {"_scaled_mm", "_scaled_grouped_mm"}
@@ -108,3 +110,19 @@ def test_the_engine_names_no_recipe():
                 found.append(f"{path.relative_to(MOEPASS.parent)}:{node.lineno} {node.value!r}")
     assert found == []
 
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_auto_layout_options_settle_per_graph(sharded):
+    """Both layouts of a linear's operands by default; each weight quantized once unless FSDP2 reshards it (the
+    saved FP8 copy would stay alive between forward and backward); nothing both-layout under a BF16 linear wgrad."""
+    settled = settle(Config.from_options({}), weights_sharded=sharded)
+    assert settled["fp8_rowwise.linear_both_layouts"] == "grads_and_inputs"
+    assert settled["fp8_rowwise.expert_weights_once"] is (not sharded)
+    assert settled["fp8_rowwise.linear_weights_once"] is (not sharded)
+    bf16_wgrad = settle(Config.from_options({"fp8_rowwise.wgrad_bf16": True}), weights_sharded=sharded)
+    assert bf16_wgrad["fp8_rowwise.linear_both_layouts"] == "none"
+    forced = settle(Config.from_options({"fp8_rowwise.expert_weights_once": True}), weights_sharded=True)
+    assert forced["fp8_rowwise.expert_weights_once"] is True  # an explicit choice is kept
+    assert cache_variant(settle(Config.from_options({}), weights_sharded=True)) != \
+        cache_variant(settle(Config.from_options({}), weights_sharded=False))

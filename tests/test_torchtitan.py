@@ -59,6 +59,7 @@ def check_ep_regions_replaced(rank, world_size, flavor, ac):
     (got,), report = _train(tt.build_moe(flavor, ac=ac), "moepass", {"passes": ["deepep"]})
     (deepep,) = [p for p in report["passes"] if p["name"] == "deepep"]
     assert deepep["replaced"] == 1 and deepep["skipped"] == [], deepep
+    assert not any(g["weights_sharded_by_fsdp"] for g in report["per_graph"])  # EP alone: no FSDP2
     assert "moe.routed_experts" in deepep["rewrites"][0]["module"], deepep["rewrites"]
     assert not [k for k in report["ops_after"] if "all_to_all" in k], report["ops_after"]
     if ac != "none":
@@ -89,6 +90,9 @@ def check_fsdp2_per_block_trains(rank, world_size):
     got, report = _train(tt.fsdp_per_block("16B-like"), "moepass", steps=3)
     passes = {p["name"]: p for p in report["passes"]}
     assert passes["deepep"]["replaced"] >= 1 and passes["grouped_mm"]["replaced"] >= 3, passes
+    # FSDP2 gathers each block's weights: the recipes' weights-once sharing stays off for them
+    blocks = [g for g in report["per_graph"] if g["module"].startswith("layers")]
+    assert blocks and all(g["weights_sharded_by_fsdp"] for g in blocks), report["per_graph"]
     assert not [k for k in report["ops_after"] if "all_to_all" in k]
     losses, ref_losses = [r.loss.item() for r in got], [r.loss.item() for r in want]
     assert all(torch.isfinite(torch.tensor(losses)))

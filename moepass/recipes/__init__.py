@@ -14,6 +14,13 @@ from .mxfp8 import MXFP8
 RECIPES: dict[str, Recipe] = {r.name: r for r in (MXFP8, FP8_ROWWISE)}
 
 
+def settle(config, weights_sharded: bool):
+    """`config` with every recipe's "auto" decomposition options decided for one graph (Recipe.settle)."""
+    for recipe in RECIPES.values():
+        config = recipe.settle(config, weights_sharded)
+    return config
+
+
 def decompositions(config) -> dict:
     """Every recipe's Inductor decompositions under `config` (moepass's own ops are their only keys)."""
     return {op: fn for recipe in RECIPES.values() for op, fn in recipe.decompositions(config).items()}
@@ -30,4 +37,4 @@ def decomposed_gemms() -> set[str]:
     return {gemm for recipe in RECIPES.values() for gemm in recipe.decomposed_gemms}
 
 
-__all__ = ["RECIPES", "Recipe", "MXFP8", "FP8_ROWWISE", "decompositions", "cache_variant", "decomposed_gemms"]
+__all__ = ["RECIPES", "Recipe", "MXFP8", "FP8_ROWWISE", "settle", "decompositions", "cache_variant", "decomposed_gemms"]

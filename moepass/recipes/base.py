@@ -79,6 +79,11 @@ class Recipe:
 
     # ---- what the backend and the cache key ask
 
+    def settle(self, config, weights_sharded: bool):
+        """`config` with this recipe's "auto" decomposition options decided for one graph (weights_sharded: its
+        GEMMs' weights are gathered by FSDP2 for the step and resharded after)."""
+        return config
+
     def decompositions(self, config) -> dict:
         """{OpOverload: decomposition} for Inductor under `config` (and the fallbacks they need registered)."""
         return {}

@@ -48,6 +48,18 @@ class FP8RowwiseRecipe(Recipe):
                           f"({THRESHOLDS_SOURCE})")
         return False, "wgrad FP8"
 
+    def settle(self, config, weights_sharded: bool):
+        """linear_both_layouts auto: both operands of the FP8 wgrad (none when the linears' wgrad is BF16);
+        *_weights_once auto: on, unless FSDP2 reshards the weights (a saved FP8 copy would outlive the reshard)."""
+        values = {}
+        if config["fp8_rowwise.linear_both_layouts"] == "auto":
+            fp8_wgrad = not self.wgrad_bf16(config, "linear")[0]
+            values["fp8_rowwise.linear_both_layouts"] = "grads_and_inputs" if fp8_wgrad else "none"
+        for key in ("fp8_rowwise.expert_weights_once", "fp8_rowwise.linear_weights_once"):
+            if config[key] == "auto":
+                values[key] = not weights_sharded
+        return config.with_values(**values) if values else config
+
     def decompositions(self, config) -> dict:
         """Kernel "scaled_mm" ops become plain torch, so Inductor fuses their quantization (ops/lowp/fp8_rowwise/
         decomp.py); the fp8_rowwise.* layout options pick which quantizations are shared."""
