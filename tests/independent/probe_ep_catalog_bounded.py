@@ -23,9 +23,7 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -34,56 +32,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 import ep_catalog  # noqa: E402
 import ep_catalog_bounded as catalog  # noqa: E402
+# the block-independent helpers of the unseen catalog's probe
+from probe_ep_catalog_unseen import diff, example_x, failure, forward_backward, free_port  # noqa: E402
 
 OUT_DIR = Path("/tmp/ep_bounded")
-ATOL = RTOL = 2e-2  # bf16 outputs, different summation orders
 MODES = {"deepep": {"passes": ["deepep"], "inductor": False}, "deepep_inductor": {"passes": ["deepep"]},
          "default": None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def example_x(rank: int) -> torch.Tensor:
-    return torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
-
-
-def forward_backward(fn, block, x, rank):
-    block.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    out = fn(x)
-    # a random cotangent: a plain .sum() gives stride-0 grads that CPU _grouped_mm's backward rejects
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + rank))
-    (out.float() * g).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in block.named_parameters() if p.grad is not None}
-    return out.detach(), x.grad.detach().clone(), grads
-
-
-def diff(got, want) -> dict:
-    (out, xg, grads), (rout, rxg, rgrads) = got, want
-    result = {"out": float((out.float() - rout.float()).abs().max()), "|out|": float(rout.float().abs().max()),
-              "x_grad": float((xg.float() - rxg.float()).abs().max()), "|x_grad|": float(rxg.float().abs().max())}
-    worst_rel = result["x_grad"] / max(result["|x_grad|"], 1e-6)
-    param = {}
-    for name in sorted(set(grads) | set(rgrads)):
-        if name not in grads or name not in rgrads:
-            param[name] = "missing on one side"
-            worst_rel = float("inf")
-            continue
-        d, scale = float((grads[name].float() - rgrads[name].float()).abs().max()), float(rgrads[name].abs().max())
-        param[name] = d
-        worst_rel = max(worst_rel, d / max(scale, 1e-6))
-    result["param_grads"] = param
-    result["worst_grad_rel"] = worst_rel
-    result["ok"] = bool(torch.allclose(out.float(), rout.float(), atol=ATOL, rtol=RTOL)) and worst_rel <= 1 / 32
-    return result
-
-
-def failure(error: BaseException) -> dict:
-    return {"crash": f"{type(error).__name__}: {str(error)[:2000]}", "traceback": traceback.format_exc()[-6000:]}
 
 
 def check_eager(name, rank, group):
