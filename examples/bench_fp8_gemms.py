@@ -14,8 +14,9 @@ events (median of --iters after warm-up), one line per GEMM as it goes (the JSON
                for linears also without fast accumulation
 and reports TFLOP/s, speedups, SQNR against fp32, the recipe moepass picks for each GEMM and a suggested
 FP8_ROWWISE_MIN for moepass/recipes/auto.py. Opt-in: --eager (the ops uncompiled), --blockwise (torchao's
-DeepSeek-V3 blockwise recipe), --sweep (the size sweep behind the thresholds), --autotune (let Inductor
-autotune Triton templates against aten's _scaled_mm, as a default-mode training compile does; slower).
+DeepSeek-V3 blockwise recipe, and moepass's recipe="blockwise" ops), --sweep (the size sweep behind the
+thresholds), --autotune (let Inductor autotune Triton templates against aten's _scaled_mm, as a default-mode
+training compile does; slower).
 The whole-training-step comparison is `moepass bench` (the command is printed at the end).
 
     python examples/bench_fp8_gemms.py --auto-table
@@ -231,9 +232,11 @@ def bench_linear(m: int, k: int, n: int, args, extras: bool) -> dict:
 
 
 def bench_blockwise_linear(x, w, g, run) -> dict:
-    """torchao's DeepSeek-V3 blockwise linear (1x128 activations, 128x128 weights), forward and backward."""
+    """torchao's DeepSeek-V3 blockwise linear (1x128 activations, 128x128 weights), forward and backward; and
+    moepass's recipe="blockwise" ops on the same operands ("moepass")."""
     if x.shape[1] % 128 or w.shape[0] % 128:
         return {"skipped": "K and N must be multiples of 128 for 128x128 weight blocks"}
+    row = {}
     try:
         from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
@@ -241,9 +244,29 @@ def bench_blockwise_linear(x, w, g, run) -> dict:
         wl = w.detach().requires_grad_()
         fwd = run(lambda: fp8_blockwise_mm.apply(x, w, 128))
         both = run(lambda: fp8_blockwise_mm.apply(xl, wl, 128).backward(g))
-        return {"fwd_ms": round(fwd, 4), "dgrad+wgrad_ms": round(both - fwd, 4)}
+        row.update(fwd_ms=round(fwd, 4), **{"dgrad+wgrad_ms": round(both - fwd, 4)})
     except Exception as e:  # noqa: BLE001 - a missing kernel is a result, not a crash
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    row["moepass"] = bench_moepass_blockwise(False, run, {
+        "fwd": lambda kernel: ops.blockwise_linear(x, w, None, False, kernel),
+        "dgrad": lambda kernel: ops.blockwise_linear_dgrad(g, w, kernel),
+        "wgrad": lambda kernel: ops.blockwise_linear_wgrad(g, x, kernel)})
+    return row
+
+
+def bench_moepass_blockwise(grouped: bool, run, gemms: dict) -> dict:
+    """moepass::blockwise_* ops with the kernel moepass picks on this device, called as a compiled graph calls them
+    (they are opaque to Inductor, quantization inside): ms per GEMM."""
+    from moepass.ops.lowp.blockwise.kernels import choose_blockwise_kernel
+
+    kernel, why = choose_blockwise_kernel(DEVICE, grouped)
+    if kernel is None:
+        return {"skipped": why}
+    try:
+        return {"kernel": kernel, "why": why, "ms": {name: round(run(lambda fn=fn: fn(kernel)), 4)
+                                                     for name, fn in gemms.items()}}
+    except Exception as e:  # noqa: BLE001
+        return {"kernel": kernel, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
 # ---- grouped expert GEMMs -------------------------------------------------------------------------
@@ -316,9 +339,11 @@ def bench_grouped(experts: int, m: int, k: int, n: int, args, extras: bool) -> d
 
 
 def bench_blockwise_grouped(x, w_t, offs, g, run) -> dict:
-    """torchao's blockwise FP8 grouped GEMM (it needs DeepGEMM on Hopper); recorded as an error where absent."""
+    """torchao's blockwise FP8 grouped GEMM (it needs DeepGEMM on Hopper); recorded as an error where absent. And
+    moepass's recipe="blockwise" grouped ops on the same operands ("moepass")."""
     if w_t.shape[1] % 128 or w_t.shape[2] % 128:
         return {"skipped": "K and N must be multiples of 128 for 128x128 weight blocks"}
+    row = {}
     try:
         from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
 
@@ -326,9 +351,14 @@ def bench_blockwise_grouped(x, w_t, offs, g, run) -> dict:
         x_c = x.detach().requires_grad_()
         fwd = run(lambda: _to_fp8_blockwise_then_scaled_grouped_mm(x, w_t, offs=offs))
         both = run(lambda: _to_fp8_blockwise_then_scaled_grouped_mm(x_c, w_c, offs=offs).backward(g))
-        return {"fwd_ms": round(fwd, 4), "dgrad+wgrad_ms": round(both - fwd, 4)}
+        row.update(fwd_ms=round(fwd, 4), **{"dgrad+wgrad_ms": round(both - fwd, 4)})
     except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    row["moepass"] = bench_moepass_blockwise(True, run, {
+        "fwd": lambda kernel: ops.blockwise_grouped_mm(x, w_t, offs, False, kernel),
+        "dgrad": lambda kernel: ops.blockwise_grouped_mm_dgrad(g, w_t, offs, kernel),
+        "wgrad": lambda kernel: ops.blockwise_grouped_mm_wgrad(g, x, offs, kernel)})
+    return row
 
 
 # ---- the recipe's thresholds from the measurements --------------------------------------------------
@@ -501,7 +531,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="also the size sweep behind the thresholds (slow)")
     p.add_argument("--eager", action="store_true", help="also time the ops uncompiled")
     p.add_argument("--train-step", action="store_true", help="also time a compiled linear forward+backward")
-    p.add_argument("--blockwise", action="store_true", help="also time torchao's blockwise FP8 recipe")
+    p.add_argument("--blockwise", action="store_true",
+                   help="also time torchao's blockwise FP8 recipe and moepass's (recipe=blockwise) ops")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new GEMM after this many seconds (0: no limit; default 90, none with --sweep); "
                         "the 16B shapes run first")

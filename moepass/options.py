@@ -108,8 +108,8 @@ OPTIONS: tuple[Option, ...] = (
     # GEMM and token count), and a size rule (recipes.auto.FP8_ROWWISE_MIN) for shapes it does not hold
     Option("recipe", "auto", "low-precision recipe of the grouped_mm and linear passes: auto = mxfp8 on "
            "sm_100+ and CPU (emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; "
-           "or force mxfp8 / fp8_rowwise",
-           choices=("auto", "mxfp8", "fp8_rowwise")),
+           "or force mxfp8 / fp8_rowwise / blockwise (DeepSeek-V3's 1x128 / 128x128 FP8; opt-in, auto never picks it)",
+           choices=("auto", "mxfp8", "fp8_rowwise", "blockwise")),
     Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
            "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),
     Option("fp8_rowwise.wgrad_bf16", "auto", "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe; "
@@ -138,6 +138,13 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False)),
     Option("mxfp8.kernel", "auto", "MXFP8 kernels: auto picks native on sm_100, emulated elsewhere",
            choices=("auto", "emulated", "sm100")),
+    Option("blockwise.kernel", "auto", "blockwise FP8 kernels: auto = on sm_90 torch._scaled_mm for linears, and for "
+           "grouped GEMMs DeepGEMM (torchao's blockwise grouped op; when deep_gemm is installed and passes a one-time "
+           "self-check) else torch._scaled_mm per token group; emulated on CPU; other GPUs keep BF16. emulated: the "
+           "reference numerics anywhere; deepgemm: grouped GEMMs on DeepGEMM (linears on scaled_mm)",
+           choices=("auto", "emulated", "scaled_mm", "deepgemm")),
+    Option("blockwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward "
+           "and dgrad stay FP8)", choices=(True, False)),
     Option("lowp.include", ("*",), "module-path glob patterns the low-precision GEMM passes rewrite (fnmatch, "
            "e.g. 'layers.*.moe.*')", check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.include",)),
     Option("lowp.exclude", (), "module-path glob patterns never rewritten (wins over include)",

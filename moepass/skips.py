@@ -30,7 +30,7 @@ class SkipCode(enum.Enum):
     NOT_BF16 = ("both", "not bfloat16", "only BF16 GEMMs are rewritten (an fp32 router, an fp32 model)",
                 "train in bfloat16 (`model.to(torch.bfloat16)`)")
     NOT_A_MULTIPLE = ("both", "not a multiple of", "the kernels need K and N in whole blocks (32 for MXFP8, 16 for "
-                      "FP8 rowwise)", "pad the hidden or intermediate size")
+                      "FP8 rowwise, 128 for blockwise)", "pad the hidden or intermediate size")
     EMPTY_GEMM = ("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-")
     NOT_2D_WEIGHT = ("linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-")
     NOT_MOE_FORM = ("grouped_mm", "only the MoE form", "a grouped GEMM that is not x[M,K] @ w[E,K,N] with group "
@@ -42,6 +42,10 @@ class SkipCode(enum.Enum):
                     "than BF16 at this size and token count (moepass/recipes/fp8_auto_table_h200.json, or the size "
                     "rule recipes.auto.FP8_ROWWISE_MIN for shapes it does not hold)",
                     "`recipe: fp8_rowwise` (or `mxfp8`) to force it")
+    NO_KERNEL = ("both", "no kernel for", "the recipe you asked for has no kernel for this GEMM kind on this device "
+                 "(blockwise: torch._scaled_mm takes its scales on sm_90 only; grouped GEMMs also on DeepGEMM, "
+                 "where installed)",
+                 "`<recipe>.kernel: emulated` to run its numerics anyway (slower than BF16), or another recipe")
     NO_METADATA = ("both", "no recorded tensor metadata", "Dynamo recorded no shape for an operand", "report it: a bug")
     TP_UNEVEN = ("both", "splits unevenly", "tensor parallelism shards a dim unevenly over the mesh: the "
                  "low-precision blocks need equal shards", "sizes divisible by the tensor-parallel degree")

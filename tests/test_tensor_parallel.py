@@ -2,7 +2,8 @@
 
 Op level (moepass/ops/lowp/sharding.py): a colwise MXFP8 linear is the unsharded one bit for bit (its 1x32 blocks run
 along the unsharded K); a rowwise one differs only by the bf16 rounding of each rank's partial sum; FP8-rowwise
-scales per shard of K are no worse than unsharded. Pass level: the setup that crashed the compile before
+scales per shard of K are no worse than unsharded; blockwise FP8 shards of whole 128-element tiles and 128x128 blocks
+keep the unsharded tiles and blocks. Pass level: the setup that crashed the compile before
 (`parallelize_module` with ColwiseParallel / RowwiseParallel on moepass's own model) compiles, rewrites and trains,
 and a shard whose K is not a multiple of the MXFP8 block stays BF16 with the reason.
 
@@ -49,14 +50,14 @@ def _operands(seed: int, tokens: int = 64, k: int = 256, n: int = 128):
     return x, w, g
 
 
-def _linear_step(op_args, x, w, g, x_place=None, w_place=None):
+def _linear_step(op_args, x, w, g, x_place=None, w_place=None, op=None):
     """y and the grads of x and w of one moepass linear, on DTensors when placements are given (then made whole)."""
     from torch.distributed.tensor import distribute_tensor
 
     if x_place:
         x, w = distribute_tensor(x, _mesh(), x_place), distribute_tensor(w, _mesh(), w_place)
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
-    op = ops.mxfp8_linear if op_args[0] == "rceil" else ops.fp8_rowwise_linear
+    op = op or (ops.mxfp8_linear if op_args[0] == "rceil" else ops.fp8_rowwise_linear)
     y = op(x, w, None, *op_args)
     placements = getattr(y, "placements", None)
     y.backward(g if x_place is None else distribute_tensor(g, _mesh(), [_grad_placement(placements[0])]))
@@ -134,8 +135,45 @@ def check_colwise_grouped_mm_is_unsharded_bit_for_bit(rank, world_size):
     assert torch.equal(y.full_tensor(), ref)
 
 
+BLOCKWISE_ARGS = (False, "emulated")
+
+
+def check_blockwise_linear_shards_keep_the_unsharded_tiles_and_blocks(rank, world_size):
+    """K and N of 256 over 2 ranks: 128 per shard, whole 1x128 tiles and 128x128 blocks, the unsharded ones."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    x, w, g = _operands(5, k=256, n=256)
+    step = lambda *places: _linear_step(BLOCKWISE_ARGS, x, w, g, *places, op=ops.blockwise_linear)  # noqa: E731
+    y_ref, gx_ref, gw_ref, _ = step()
+    y, gx, gw, placements = step([Replicate()], [Shard(0)])  # colwise: W's rows (N) split
+    assert placements == (Shard(1),), placements
+    assert torch.equal(y, y_ref) and torch.equal(gw, gw_ref)
+    torch.testing.assert_close(gx, gx_ref, rtol=2**-7, atol=2**-7 * gx_ref.abs().max().item())  # Partial over N
+    y, gx, gw, placements = step([Shard(1)], [Shard(1)])  # rowwise: K split, each rank's K columns of x and W
+    assert placements[0].is_partial(), placements
+    torch.testing.assert_close(y, y_ref, rtol=2**-7, atol=2**-7 * y_ref.abs().max().item())
+    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
+
+
+def check_colwise_blockwise_grouped_mm_is_unsharded_bit_for_bit(rank, world_size):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(200, 128, generator=gen).to(BF16)
+    w_t = (torch.randn(3, 128, 256, generator=gen) / 128**0.5).to(BF16)
+    offs = torch.tensor([70, 70, 190], dtype=torch.int32)
+    ref = ops.blockwise_grouped_mm(x, w_t, offs, *BLOCKWISE_ARGS)
+    mesh = _mesh()
+    y = ops.blockwise_grouped_mm(distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(w_t, mesh, [Shard(2)]),
+                                 distribute_tensor(offs, mesh, [Replicate()]), *BLOCKWISE_ARGS)
+    assert y.placements == (Shard(1),), y.placements
+    assert torch.equal(y.full_tensor(), ref)
+
+
 OP_CHECKS = [check_colwise_mxfp8_linear_is_unsharded_bit_for_bit, check_rowwise_mxfp8_linear_within_bf16_rounding,
-             check_fp8_rowwise_scales_per_shard_no_worse, check_colwise_grouped_mm_is_unsharded_bit_for_bit]
+             check_fp8_rowwise_scales_per_shard_no_worse, check_colwise_grouped_mm_is_unsharded_bit_for_bit,
+             check_blockwise_linear_shards_keep_the_unsharded_tiles_and_blocks,
+             check_colwise_blockwise_grouped_mm_is_unsharded_bit_for_bit]
 
 
 @pytest.mark.parametrize("check", OP_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))

@@ -8,10 +8,11 @@ Adding a recipe: its module here, its ops module, and one line in RECIPES.
 from __future__ import annotations
 
 from .base import Recipe
+from .blockwise import BLOCKWISE
 from .fp8_rowwise import FP8_ROWWISE
 from .mxfp8 import MXFP8
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (MXFP8, FP8_ROWWISE)}
+RECIPES: dict[str, Recipe] = {r.name: r for r in (MXFP8, FP8_ROWWISE, BLOCKWISE)}
 
 
 def settle(config, weights_sharded: bool):
@@ -37,4 +38,5 @@ def decomposed_gemms() -> set[str]:
     return {gemm for recipe in RECIPES.values() for gemm in recipe.decomposed_gemms}
 
 
-__all__ = ["RECIPES", "Recipe", "MXFP8", "FP8_ROWWISE", "settle", "decompositions", "cache_variant", "decomposed_gemms"]
+__all__ = ["RECIPES", "Recipe", "MXFP8", "FP8_ROWWISE", "BLOCKWISE", "settle", "decompositions", "cache_variant",
+           "decomposed_gemms"]

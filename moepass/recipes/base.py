@@ -1,11 +1,11 @@
 """What a low-precision recipe is: the one object the planner, the op families, the backend and the cache key ask.
 
-A recipe (mxfp8.py, fp8_rowwise.py) names its ops (moepass::<name>_linear, <name>_grouped_mm and their _dgrad /
-_wgrad, registered when its ops module is imported), states the block K and N must be multiples of, the option
-keys it reads, its kernel per device and GEMM kind ("linear" or "grouped"), the arguments a plan appends to its
-ops, its wgrad_bf16 policy, and what else shapes the compiled code: its Inductor decompositions and their cache
-variant. Recipe modules import nothing from moepass.ops at import time (the ops import them); they reach their
-kernels' device checks lazily.
+A recipe (mxfp8.py, fp8_rowwise.py, blockwise.py) names its ops (moepass::<name>_linear, <name>_grouped_mm and
+their _dgrad / _wgrad, registered when its ops module is imported), states the block K and N must be multiples of,
+the option keys it reads, its kernel per device and GEMM kind ("linear" or "grouped"; or none, and the GEMM stays
+BF16), the arguments a plan appends to its ops, its wgrad_bf16 policy, and what else shapes the compiled code: its
+Inductor decompositions and their cache variant. Recipe modules import nothing from moepass.ops at import time (the
+ops import them); they reach their kernels' device checks lazily.
 """
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ class Recipe:
                if not isinstance(v, int) or v % self.multiple]
         return Reason(SkipCode.NOT_A_MULTIPLE, f"{self.name}: {', '.join(bad)}") if bad else None
 
-    def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str, str]:
-        """(kernel, why) for a GEMM of `kind` on `device`, honouring the `<name>.kernel` option's value."""
+    def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str | None, str]:
+        """(kernel, why) for a GEMM of `kind` on `device`, honouring the `<name>.kernel` option's value; kernel None:
+        no kernel of the recipe runs that kind here (the planner leaves the GEMM in BF16, `why` its reason)."""
         raise NotImplementedError
 
-    def kernel(self, config, device: torch.device | str, kind: str) -> tuple[str, str]:
+    def kernel(self, config, device: torch.device | str, kind: str) -> tuple[str | None, str]:
         return self.choose_kernel(config[self.kernel_option], device, kind)
 
     def choose_wgrad_bf16(self, requested, kind: str) -> tuple[bool, str]:

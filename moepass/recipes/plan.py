@@ -62,6 +62,8 @@ def plan_gemm(config, kind: str, device: torch.device, m, k: int, n: int, expert
     if problem:
         return problem
     kernel, kernel_why = recipe.kernel(config, device, kind)
+    if kernel is None:  # the recipe has no kernel for this GEMM kind on this device
+        return Reason(SkipCode.NO_KERNEL, f"{recipe.name}: no kernel for {kind} GEMMs here (kept BF16): {kernel_why}")
     wgrad_bf16, wgrad_why = recipe.wgrad_bf16(config, kind)
     if wgrad_why:
         why = f"{why}; {wgrad_why}"

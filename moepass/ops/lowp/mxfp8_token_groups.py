@@ -1,4 +1,5 @@
-"""Pad token groups to multiples of 32 rows without a host sync, and undo it.
+"""Pad token groups to multiples of 32 rows (MXFP8's block; any `block`, e.g. blockwise FP8's 128) without a host
+sync, and undo it.
 
 Same padded layout as torchao's torch_pad_token_groups (group g starts at the 32-aligned
 cumulative padded offset, zeros elsewhere, round_up(M + 32 * E, 32) rows), so the GEMMs see
@@ -23,16 +24,16 @@ class TokenGroupPadding:
     padded_rows: int
 
 
-def plan_token_group_padding(offs: torch.Tensor, num_tokens: int) -> TokenGroupPadding:
+def plan_token_group_padding(offs: torch.Tensor, num_tokens: int, block: int = MX_BLOCK) -> TokenGroupPadding:
     ends = offs.to(torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_sizes = (sizes + MX_BLOCK - 1) // MX_BLOCK * MX_BLOCK
+    padded_sizes = (sizes + block - 1) // block * block
     padded_ends = torch.cumsum(padded_sizes, 0)
     # Row shift per group; one extra entry moves trailing tokens right after the last padded group.
     shift = torch.cat([padded_ends - padded_sizes - (ends - sizes), (padded_ends[-1:] - ends[-1:])])
     tokens = torch.arange(num_tokens, device=offs.device)
     group = torch.searchsorted(ends, tokens, right=True)
-    padded_rows = (num_tokens + MX_BLOCK * offs.numel() + MX_BLOCK - 1) // MX_BLOCK * MX_BLOCK
+    padded_rows = (num_tokens + block * offs.numel() + block - 1) // block * block
     return TokenGroupPadding(
         padded_offs=padded_ends.to(torch.int32),
         token_rows=tokens + shift[group],

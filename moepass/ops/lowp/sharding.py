@@ -17,7 +17,9 @@ Low-precision numerics per shard: every scale is computed over the local data. M
 or tokens) are the same blocks as unsharded when each shard's size is a multiple of 32, which every strategy
 requires (is_valid_strategy_cb below; the passes check it first and leave such a GEMM in BF16 with the reason).
 FP8-rowwise scales of a K-sharded (rowwise) GEMM are per row of each shard: a row's amax over K/tp elements,
-never coarser than unsharded. A Partial operand is quantized per rank's summand.
+never coarser than unsharded. Blockwise FP8's 1x128 tiles and 128x128 weight blocks are the unsharded ones when each
+shard's K and N are multiples of 128 (the recipe's `multiple`, which the strategies require); its wgrad's tiles down
+the tokens are each rank's own when tokens are sharded. A Partial operand is quantized per rank's summand.
 
 No other moepass op sees a DTensor: the FP8-rowwise quantize ops are emitted by Inductor decompositions, which run
 below DTensor's dispatch on local tensors, and the deepep pass hands the EP ops each rank's local shard

@@ -1,0 +1,53 @@
+"""Blockwise FP8: DeepSeek-V3's training recipe. e4m3 everywhere, one FP32 scale per 1x128 tile of activations and
+gradients (128 consecutive elements along the GEMM's reduction dim, per row) and per 128x128 block of weights.
+
+scale = amax / 448 of its tile or block, not rounded to a power of two (as DeepSeek-V3 trains; MXFP8 and FP8 rowwise
+round theirs). A weight's 128x128 block serves the forward (x @ W.T, W read along K) and the dgrad (grad_out @ W,
+read along N) alike; the wgrad's operands are tiled along tokens (128x1 tiles down the token dim), tokens padded with
+zero rows to a multiple of 128, each expert's token group on its own (tiles never straddle groups).
+
+Kernels (ops/lowp/blockwise/kernels.py chooses per device and GEMM kind): torch._scaled_mm with blockwise scales on
+sm_90; grouped GEMMs through DeepGEMM (torchao 0.18's blockwise grouped op) when it is installed and passes a one-time
+self-check, else torch._scaled_mm per token group; "emulated" (the numerics reference: dequantize, fp32 GEMM) on
+CPU; no kernel elsewhere (the GEMM stays BF16 with the reason). Opt-in (`recipe="blockwise"`): recipe="auto" never
+picks it until measured. Its ops: moepass/ops/lowp/blockwise/ (opaque to Inductor: no decompositions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moepass.options import OptionsError
+
+from .base import Recipe
+
+
+class BlockwiseRecipe(Recipe):
+    name = "blockwise"
+    ops_module = "moepass.ops.lowp.blockwise"
+    multiple = 128  # 1x128 tiles along K and N (and tokens, padded), 128x128 weight blocks
+    multiple_why = "blockwise FP8 scales 1x128 tiles and 128x128 weight blocks"
+    options = ("blockwise.kernel", "blockwise.wgrad_bf16")
+
+    def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str | None, str]:
+        from moepass.ops.lowp.blockwise.kernels import KERNELS, choose_blockwise_kernel, kernel_problem
+
+        if requested not in ("auto", *KERNELS):
+            raise OptionsError(f"moepass: blockwise.kernel={requested!r} is not one of {['auto', *KERNELS]}")
+        grouped = kind == "grouped"
+        if requested == "auto":
+            return choose_blockwise_kernel(device, grouped)
+        if requested == "emulated":
+            return "emulated", "blockwise.kernel='emulated' requested (dequantized operands, fp32 GEMM)"
+        kernel = "scaled_mm" if requested == "deepgemm" and not grouped else requested  # DeepGEMM: grouped only
+        problem = kernel_problem(kernel, torch.device(device), grouped)
+        if problem:
+            raise OptionsError(f"moepass: blockwise.kernel={requested!r} requested but {problem}. "
+                               "Use blockwise.kernel='auto' or 'emulated' on this device.")
+        return kernel, f"blockwise.kernel={requested!r} requested ({kernel} for {kind} GEMMs)"
+
+    def choose_wgrad_bf16(self, requested, kind: str) -> tuple[bool, str]:
+        return requested, "wgrad BF16: blockwise.wgrad_bf16=True requested" if requested else ""
+
+
+BLOCKWISE = BlockwiseRecipe()
