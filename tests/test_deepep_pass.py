@@ -199,7 +199,7 @@ def test_debug_model_rewritten_matches_uncompiled_bitwise(world_size, rank_pool)
     rank_pool(world_size).run(check_debug_model_matches_uncompiled, False, timeout_s=300)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # ~60 s; CI compiles EP regions with Inductor in test_model_ep.py and the catalogs
 def test_debug_model_with_inductor_matches_uncompiled(rank_pool):
     rank_pool(2).run(check_debug_model_matches_uncompiled, True, timeout_s=580)
 

@@ -176,6 +176,7 @@ def _debug_train_step(backend: str, options: dict | None = None):
     return loss.detach(), grads, moved, report
 
 
+@pytest.mark.extended  # ~45 s; CI runs the route on torchtitan's flex model and on per-block compiles
 def test_checkpointed_training_step_through_the_route_equals_the_backend():
     options = {"passes": ["grouped_mm", "linear"]}
     inductor_route.install(options)

@@ -185,7 +185,7 @@ def test_failed_variant_is_reported_and_the_others_run(tmp_path, capsys):
     assert "broken" in bench.table(entries, 1) and "FAILED" in bench.table(entries, 1)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # ~90 s on 2 cores; CI's EP coverage is tests/test_model_ep.py and the torchtitan tests
 def test_torchrun_two_cpu_ranks_expert_parallel(tmp_path):
     """2 gloo ranks, experts split over them (--ep 2): rank 0 writes totals and per-rank tokens/s."""
     bench_argv = _bench_argv(tmp_path, "--variants", "eager,mxfp8_grouped_mm", "--ep", "2")
