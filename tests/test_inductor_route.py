@@ -33,6 +33,7 @@ from moepass import inductor_route
 from moepass.cache_key import CompiledGraphAudit
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
+from moepass.recipes import RECIPES
 from helpers import rank_pool, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16
@@ -432,6 +433,10 @@ def test_flex_training_step_on_cuda_through_the_route():
     # Hopper: FP8 rowwise, decomposed into aten._scaled_mm / _scaled_grouped_mm; elsewhere MXFP8 (native on sm_100)
     recipe = "fp8_rowwise" if cc[0] == 9 else "mxfp8"
     options = {"recipe": recipe, "passes": ["grouped_mm", "linear"]}
+    # the route settles the recipes' "auto" layout options once for every graph, as if FSDP2 sharded the weights
+    # (Inductor's decomposition table is global); the backend settles per graph: give it the route's values
+    settled = inductor_route._settled(moepass.Config.from_options(options))
+    backend_options = {**options, **{key: settled[key] for r in RECIPES.values() for key in r.decomposition_options}}
     results = {}
     for route in (True, False):
         torch._dynamo.reset()
@@ -442,7 +447,7 @@ def test_flex_training_step_on_cuda_through_the_route():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if route:
             inductor_route.install(options)
-        compile_per_block(model, model.blocks, "inductor" if route else "moepass", None if route else options)
+        compile_per_block(model, model.blocks, "inductor" if route else "moepass", None if route else backend_options)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with moepass.collecting() as report, caches_off():
             loss = model(x, mask).float().square().mean()
