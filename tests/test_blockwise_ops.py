@@ -43,13 +43,17 @@ def op_grouped(x, w_t, offs, grad_out, wgrad_bf16=False):
 
 
 # ---- a second writing of the recipe: loops over tiles, scale = amax / 448, dequantize, fp32 GEMM ----------
+# (amax / 448 computed as amax * fp32(1/448), as quant.py does: the product Inductor's Triton code computes too)
+
+INV_448 = torch.tensor(1 / 448.0)  # fp32
+
 
 def hand_tiles(t: torch.Tensor) -> torch.Tensor:
     """Dequantized [R, C] with one scale per 128 consecutive elements of each row, tile by tile."""
     out = torch.empty(t.shape, dtype=torch.float32)
     for c in range(0, t.shape[1], T):
         tile = t[:, c:c + T].float()
-        scale = tile.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+        scale = tile.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * INV_448
         out[:, c:c + T] = (tile / scale).clamp(-448, 448).to(E4M3).float() * scale
     return out
 
@@ -60,7 +64,7 @@ def hand_blocks(w: torch.Tensor) -> torch.Tensor:
     for r in range(0, w.shape[0], T):
         for c in range(0, w.shape[1], T):
             block = w[r:r + T, c:c + T].float()
-            scale = block.abs().amax().clamp(min=1e-12) / 448.0
+            scale = block.abs().amax().clamp(min=1e-12) * INV_448
             out[r:r + T, c:c + T] = (block / scale).clamp(-448, 448).to(E4M3).float() * scale
     return out
 
@@ -114,7 +118,7 @@ def test_each_1x128_tile_maps_its_max_abs_to_448_with_an_fp32_scale():
     q, scale = quant.quantize_tiles(t)
     assert q.dtype == E4M3 and q.shape == t.shape and scale.dtype == torch.float32 and scale.shape == (64, 3)
     tiles = t.float().reshape(64, 3, T)
-    assert torch.equal(scale, tiles.abs().amax(-1) / 448.0)  # amax / 448, no power-of-two rounding
+    assert torch.equal(scale, tiles.abs().amax(-1) * INV_448)  # amax / 448, no power-of-two rounding
     assert torch.equal(q.float().abs().reshape(64, 3, T).amax(-1), torch.full((64, 3), 448.0))
     top = tiles.abs().argmax(-1, keepdim=True)  # the largest element of each tile becomes +-448 exactly
     assert torch.equal(q.float().reshape(64, 3, T).gather(-1, top).abs(), torch.full((64, 3, 1), 448.0))
@@ -128,8 +132,8 @@ def test_a_128x128_block_shares_one_scale_and_serves_both_orientations():
     q, scale = quant.quantize_blocks(w)
     assert q.shape == w.shape and scale.dtype == torch.float32 and scale.shape == (2, 3)
     blocks = w.float().reshape(2, T, 3, T)
-    assert torch.equal(scale, blocks.abs().amax(dim=(1, 3)) / 448.0)
-    assert scale[0, 1] == 1000.0 / 448.0 and (scale.flatten()[torch.arange(6) != 1] < 1000.0 / 448.0).all()
+    assert torch.equal(scale, blocks.abs().amax(dim=(1, 3)) * INV_448)
+    assert scale[0, 1] == 1000.0 * INV_448 and (scale.flatten()[torch.arange(6) != 1] < 1000.0 * INV_448).all()
     q_t, scale_t = quant.quantize_blocks(w.t())  # the dgrad reads the same blocks transposed
     assert torch.equal(q_t.view(torch.uint8), q.t().contiguous().view(torch.uint8)) and torch.equal(scale_t, scale.t())
     experts = torch.stack([w, -w])  # leading dims: one block grid per expert

@@ -10,7 +10,9 @@ Kernels (ops/lowp/blockwise/kernels.py chooses per device and GEMM kind): torch.
 sm_90; grouped GEMMs through DeepGEMM (torchao 0.18's blockwise grouped op) when it is installed and passes a one-time
 self-check, else torch._scaled_mm per token group; "emulated" (the numerics reference: dequantize, fp32 GEMM) on
 CPU; no kernel elsewhere (the GEMM stays BF16 with the reason). Opt-in (`recipe="blockwise"`): recipe="auto" never
-picks it until measured. Its ops: moepass/ops/lowp/blockwise/ (opaque to Inductor: no decompositions).
+picks it until measured. Its ops: moepass/ops/lowp/blockwise/. Kernel "scaled_mm" ops are decomposed for Inductor
+into their quantization in plain torch (fused by Inductor) around the opaque GEMM ops moepass::blockwise_scaled_mm and
+blockwise_scaled_grouped_mm (ops/lowp/blockwise/decomp.py); the compiled-graph audit records those as moepass ops.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ class BlockwiseRecipe(Recipe):
 
     def choose_wgrad_bf16(self, requested, kind: str) -> tuple[bool, str]:
         return requested, "wgrad BF16: blockwise.wgrad_bf16=True requested" if requested else ""
+
+    def decompositions(self, config) -> dict:
+        """Kernel "scaled_mm" ops become their quantization in plain torch around an opaque GEMM op, so Inductor
+        fuses the quantization (ops/lowp/blockwise/decomp.py); no option changes the table."""
+        from moepass.ops.lowp.blockwise.decomp import blockwise_decompositions, register_inductor_fallbacks
+
+        register_inductor_fallbacks()
+        return blockwise_decompositions()
 
 
 BLOCKWISE = BlockwiseRecipe()

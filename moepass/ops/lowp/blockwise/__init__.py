@@ -3,10 +3,12 @@ importing this registers them.
 
 linear.py, grouped_mm.py: moepass::blockwise_linear, blockwise_grouped_mm and their _dgrad / _wgrad (the op families
 are ops/lowp/linear.py, grouped_mm.py); quant.py: the tile and block quantizers in plain torch; gemm.py: the one GEMM
-form (A @ B.T, both K-major) on torch._scaled_mm or emulated; kernels.py: which implementation runs where, and why;
-deepgemm.py, deepgemm_check.py: the grouped GEMMs on DeepGEMM (optional, through torchao) and their self-check.
-The ops stay opaque to Inductor (no decompositions): its _scaled_mm lowering refuses blockwise scales once shapes are
-symbolic.
+form (A @ B.T, both K-major) on torch._scaled_mm or emulated, and the opaque GEMM ops moepass::blockwise_scaled_mm /
+blockwise_scaled_grouped_mm that kernel "scaled_mm" runs it through; decomp.py: the Inductor decompositions of the
+kernel "scaled_mm" ops (their quantization in plain torch, fused by Inductor, around those GEMM ops, which stay
+opaque: Inductor's _scaled_mm lowering refuses blockwise scales once shapes are symbolic); kernels.py: which
+implementation runs where, and why; deepgemm.py, deepgemm_check.py: the grouped GEMMs on DeepGEMM (optional, through
+torchao) and their self-check.
 """
 
 from . import grouped_mm, linear  # noqa: F401  (each registers its ops)

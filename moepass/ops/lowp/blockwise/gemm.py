@@ -14,6 +14,9 @@ cuBLASLt reads 128x128 scales K-major with a row stride of round_up(K/128, 4) (1
 for _scaled_mm_v2), while torch's check on them wants exactly K/128 in some versions and the rounded stride in others:
 K is zero-padded to a multiple of 512, where both agree (zeros add nothing; only shapes with K/128 % 4 != 0 pay a
 copy). A's rows are zero-padded to a multiple of 16 likewise, so every scale column starts 16-byte aligned.
+Kernel "scaled_mm" runs through the opaque ops moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (quantized
+operands in, bf16 out; one GEMM per token group for the grouped one), which the decompositions of decomp.py leave in
+compiled graphs; on CPU their body is the emulated GEMM (tests compare compiled graphs with "emulated" bit for bit).
 """
 
 from __future__ import annotations
@@ -64,9 +67,80 @@ def emulated_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b
     return torch.mm(a, b.t()).to(BF16)
 
 
-def mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b_blocks: bool, kernel: str) -> Tensor:
-    """bf16 [M, N] = A @ B.T for kernel "emulated" or "scaled_mm" (M or K = 0: zeros, no kernel launched)."""
-    if a_q.shape[0] == 0 or a_q.shape[1] == 0:
+def _mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b_blocks: bool, kernel: str) -> Tensor:
+    if a_q.shape[0] == 0 or a_q.shape[1] == 0:  # M or K = 0: zeros, no kernel launched
         return a_q.new_zeros(a_q.shape[0], b_q.shape[0], dtype=BF16)
     gemm = scaled_mm_nt if kernel == "scaled_mm" else emulated_mm_nt
     return gemm(a_q, a_scale, b_q, b_scale, b_blocks)
+
+
+def _groups(ends: Tensor) -> list[tuple[int, int, int]]:
+    """(expert, start, end) of every non-empty group, from int group ends (a host sync)."""
+    bounds = ends.tolist()
+    return [(g, start, end) for g, (start, end) in enumerate(zip([0, *bounds[:-1]], bounds)) if end > start]
+
+
+def _grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """One _mm_nt per token group (group bounds read on the host). Two forms:
+    b_q [E, N, K] in 128x128 blocks (scale [E, N/128, K/128]), a_q [M, K] tokens in 1x128 tiles: out [M, N],
+        rows a_q[start:end] of group g times b_q[g]; rows at or after offs[-1] zero (the forward and the dgrad);
+    b_q [K, P] in 1x128 tiles along P (scale [K, P/128]), a_q [N, P] likewise, P tokens in groups ending at offs,
+        each a multiple of 128: out [E, N, K], group g's columns of a_q times its columns of b_q (the wgrad)."""
+    if b_q.dim() == 3:
+        out = a_q.new_zeros(a_q.shape[0], b_q.shape[1], dtype=BF16)
+        for g, start, end in _groups(offs):
+            out[start:end] = _mm_nt(a_q[start:end], a_scale[start:end], b_q[g], b_scale[g], True, kernel)
+        return out
+    out = a_q.new_zeros(offs.shape[0], a_q.shape[0], b_q.shape[0], dtype=BF16)
+    for g, start, end in _groups(offs):
+        tiles = slice(start // TILE, end // TILE)
+        out[g] = _mm_nt(a_q[:, start:end], a_scale[:, tiles], b_q[:, start:end], b_scale[:, tiles], False, kernel)
+    return out
+
+
+# ---- the GEMMs as opaque ops: Inductor fuses the quantization around them (decomp.py), never sees inside ------
+# Kernel "scaled_mm" reaches them alone. Their CPU body is the emulated GEMM (kernel "scaled_mm" never runs on CPU
+# outside tests, where it lets compiled graphs be compared bit for bit with kernel "emulated").
+
+def _device_kernel(t: Tensor) -> str:
+    return "scaled_mm" if t.device.type == "cuda" else "emulated"
+
+
+@torch.library.custom_op("moepass::blockwise_scaled_mm", mutates_args=())
+def blockwise_scaled_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b_blocks: bool) -> Tensor:
+    """bf16 [M, N] = A @ B.T from quantized operands: a_q [M, K] e4m3 in 1x128 tiles (a_scale [M, K/128] fp32),
+    b_q [N, K] in 128x128 blocks (b_blocks; b_scale [N/128, K/128]) or 1x128 tiles (b_scale [N, K/128])."""
+    return _mm_nt(a_q, a_scale, b_q, b_scale, b_blocks, _device_kernel(a_q))
+
+
+@blockwise_scaled_mm.register_fake
+def _(a_q, a_scale, b_q, b_scale, b_blocks):
+    return a_q.new_empty(a_q.shape[0], b_q.shape[0], dtype=BF16)
+
+
+@torch.library.custom_op("moepass::blockwise_scaled_grouped_mm", mutates_args=())
+def blockwise_scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
+    """The grouped GEMMs from quantized operands (_grouped_mm_nt's two forms: 3-D b_q per expert, 2-D by tokens)."""
+    return _grouped_mm_nt(a_q, a_scale, b_q, b_scale, offs, _device_kernel(a_q))
+
+
+@blockwise_scaled_grouped_mm.register_fake
+def _(a_q, a_scale, b_q, b_scale, offs):
+    if b_q.dim() == 3:
+        return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=BF16)
+    return a_q.new_empty(offs.shape[0], a_q.shape[0], b_q.shape[0], dtype=BF16)
+
+
+def mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b_blocks: bool, kernel: str) -> Tensor:
+    """bf16 [M, N] = A @ B.T for kernel "emulated" or "scaled_mm" (the latter through moepass::blockwise_scaled_mm;
+    M or K = 0: zeros, no kernel launched)."""
+    if kernel == "scaled_mm":
+        return torch.ops.moepass.blockwise_scaled_mm(a_q, a_scale, b_q, b_scale, b_blocks)
+    return _mm_nt(a_q, a_scale, b_q, b_scale, b_blocks, kernel)
+
+
+def grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """_grouped_mm_nt for kernel "emulated" or "scaled_mm" (the latter through moepass::blockwise_scaled_grouped_mm)."""
+    if kernel == "scaled_mm":
+        return torch.ops.moepass.blockwise_scaled_grouped_mm(a_q, a_scale, b_q, b_scale, offs)
+    return _grouped_mm_nt(a_q, a_scale, b_q, b_scale, offs, kernel)

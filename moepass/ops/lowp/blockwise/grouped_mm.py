@@ -5,9 +5,11 @@ forward  x in 1x128 tiles along K (per row: no group crosses a tile), each exper
 dgrad    grad_out in 1x128 tiles along N, each expert's weight in the same blocks, read transposed
 wgrad    grad_out and x in 1x128 tiles along tokens, each group zero-padded to a multiple of 128 rows first
          (mxfp8_token_groups with block 128), so no tile straddles two groups
-Kernels: "deepgemm" (deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm" and "emulated": one
-gemm.mm_nt per token group (group bounds read on the host: one sync per op). Rows at or after offs[-1] belong to no
-group: their outputs and input gradients are zero.
+Kernels: "deepgemm" (deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm" and "emulated": the
+quantization here in plain torch (no host sync), then gemm.grouped_mm_nt, one GEMM per token group (group bounds read
+on the host: one sync per op); for "scaled_mm" that is the opaque moepass::blockwise_scaled_grouped_mm, and the moepass
+backend decomposes these ops into this code (decomp.py) so that Inductor fuses the quantization. Rows at or after
+offs[-1] belong to no group: their outputs and input gradients are zero.
 """
 
 from __future__ import annotations
@@ -20,14 +22,8 @@ from ..grouped_mm import define_grouped_mm_ops
 from ..mxfp8_token_groups import pad_token_groups, plan_token_group_padding
 from ..op_recipe import RecipeGemms
 from . import deepgemm, quant
-from .gemm import mm_nt
+from .gemm import grouped_mm_nt
 from .kernels import check_settings
-
-
-def _groups(ends: Tensor) -> list[tuple[int, int, int]]:
-    """(expert, start, end) of every non-empty group, from int group ends (a host sync)."""
-    bounds = ends.tolist()
-    return [(g, start, end) for g, (start, end) in enumerate(zip([0, *bounds[:-1]], bounds)) if end > start]
 
 
 def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
@@ -36,10 +32,7 @@ def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
         return deepgemm.forward(x, w_t, offs)
     x_q, x_scale = quant.quantize_tiles(x)
     w_q, w_scale = quant.quantize_blocks(w_t.transpose(-2, -1))  # [E, N, K]: B of A @ B.T per expert
-    out = x.new_zeros(x.shape[0], w_t.shape[2])
-    for g, start, end in _groups(offs):
-        out[start:end] = mm_nt(x_q[start:end], x_scale[start:end], w_q[g], w_scale[g], True, kernel)
-    return out
+    return grouped_mm_nt(x_q, x_scale, w_q, w_scale, offs, kernel)
 
 
 def dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
@@ -48,23 +41,17 @@ def dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
         return deepgemm.dgrad(grad_out, w_t, offs)
     g_q, g_scale = quant.quantize_tiles(grad_out)
     w_q, w_scale = quant.quantize_blocks(w_t)  # [E, K, N]: the forward's blocks, transposed
-    grad_x = grad_out.new_zeros(grad_out.shape[0], w_t.shape[1])
-    for g, start, end in _groups(offs):
-        grad_x[start:end] = mm_nt(g_q[start:end], g_scale[start:end], w_q[g], w_scale[g], True, kernel)
-    return grad_x
+    return grouped_mm_nt(g_q, g_scale, w_q, w_scale, offs, kernel)
 
 
 def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     """grad_w_t[g] = x[g].T @ grad_out[g] -> [E, K, N] stored as [E, N, K] (the layout of w_t = w.transpose)."""
     if kernel == "deepgemm":
         return deepgemm.wgrad(grad_out, x, offs)
-    plan = plan_token_group_padding(offs, x.shape[0], quant.TILE)  # every group a whole number of tiles
+    plan = plan_token_group_padding(offs, x.shape[0], quant.TILE)  # every group a whole number of tiles, no sync
     g_q, g_scale = quant.quantize_tiles(pad_token_groups(grad_out, plan).t())  # [N, P], tiles along tokens
     x_q, x_scale = quant.quantize_tiles(pad_token_groups(x, plan).t())  # [K, P]
-    grad_w = x.new_zeros(offs.shape[0], grad_out.shape[1], x.shape[1])  # [E, N, K]
-    for g, start, end in _groups(plan.padded_offs):
-        tiles = slice(start // quant.TILE, end // quant.TILE)
-        grad_w[g] = mm_nt(g_q[:, start:end], g_scale[:, tiles], x_q[:, start:end], x_scale[:, tiles], False, kernel)
+    grad_w = grouped_mm_nt(g_q, g_scale, x_q, x_scale, plan.padded_offs, kernel)  # [E, N, K]
     return grad_w.transpose(-2, -1)
 
 

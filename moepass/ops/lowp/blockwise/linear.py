@@ -4,7 +4,9 @@ forward  y = x @ W.T (+ b):       x in 1x128 tiles along K, W in 128x128 blocks
 dgrad    grad_x = grad_out @ W:   grad_out in 1x128 tiles along N, W in the same 128x128 blocks, read transposed
 wgrad    grad_W = grad_out.T @ x: both in 1x128 tiles along tokens (128x1 down the token dim), tokens zero-padded
                                   to a multiple of 128 (zero rows add nothing)
-Each is gemm.mm_nt (A @ B.T, both K-major) on kernel "scaled_mm" (torch._scaled_mm, sm_90) or "emulated".
+Each is the quantization here in plain torch, then gemm.mm_nt (A @ B.T, both K-major) on kernel "scaled_mm"
+(torch._scaled_mm, sm_90, inside the opaque moepass::blockwise_scaled_mm) or "emulated". The moepass backend decomposes
+the "scaled_mm" ops into this same code (decomp.py), so Inductor fuses the quantization and only the GEMM stays opaque.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 scale = amax / 448 of each tile or block (fp32, floored at AMAX_EPS / 448 so an all-zero tile gets zero data), not
 rounded to a power of two, as DeepSeek-V3 trains; q = e4m3(clamp(t / scale, -448, 448)), so each tile's largest
-magnitude maps to 448. Scales are dequantization factors (t ~= q * scale), torch._scaled_mm's convention.
+magnitude maps to 448. The scale is computed as amax * fp32(1 / 448) (within an ulp of amax / 448): Inductor's Triton
+code turns a division by a constant into that product, so eager torch, Inductor's CPU code and its Triton code all
+give the same scales (the decompositions of decomp.py are compared with the eager ops bit for bit). Scales are
+dequantization factors (t ~= q * scale), torch._scaled_mm's convention.
 
 Every function takes the operand as the GEMM reads it, reduction dim last ([rows, K]): the caller transposes first
 where the reduction runs down the columns (the wgrad's tokens, the dgrad's N).
@@ -19,7 +22,7 @@ AMAX_EPS = 1e-12  # torchao's and DeepSeek's floor on amax
 
 
 def _scale(amax: Tensor) -> Tensor:
-    return amax.float().clamp(min=AMAX_EPS) / E4M3_MAX
+    return amax.float().clamp(min=AMAX_EPS) * (1 / E4M3_MAX)
 
 
 def _cast(scaled: Tensor) -> Tensor:

@@ -1,0 +1,73 @@
+"""The blockwise ops' "scaled_mm" kernel handed to Inductor as plain torch around two opaque GEMM ops.
+
+Inside the opaque moepass::blockwise_* ops the 1x128 / 128x128 quantization ran as eager torch, one kernel per
+reshape, amax, divide, clamp and cast (on an H200 at DeepSeek-V3's dims, ~300 ms of a 758 ms step against ~60 ms of
+GEMMs). Decomposed by AOTAutograd, each op becomes the code its own body runs for kernel "scaled_mm" (linear.py,
+grouped_mm.py: quant.quantize_tiles / quantize_blocks on the operands as the GEMM reads them, the wgrad's token
+padding included, then gemm.mm_nt / grouped_mm_nt), which Inductor fuses into a reduction kernel per operand (into
+the operand's producer where it can), leaving moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm opaque:
+they take quantized operands and scales and run torch._scaled_mm (gemm.py keeps the scale layouts and the K / row
+padding cuBLASLt needs). They must stay opaque: Inductor's _scaled_mm lowering refuses blockwise scales once shapes
+are symbolic. Same code eager and compiled, so the same numbers (scales are amax * fp32(1/448): see quant.py).
+
+Kernels "emulated" and "deepgemm" are not decomposed (the reference stays one op; DeepGEMM brings its own Triton
+quantizers). Zero tokens need no care here: every amax runs over a whole 128-wide tile, never over the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import grouped_mm, linear
+
+
+def _decompose_linear(x, weight, bias, wgrad_bf16, kernel):
+    return linear.forward(x, weight, bias, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_linear_dgrad(grad_out, weight, kernel):
+    return linear.dgrad(grad_out, weight, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_linear_wgrad(grad_out, x, kernel):
+    return linear.wgrad(grad_out, x, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel):
+    return grouped_mm.forward(x, w_t, offs, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel):
+    return grouped_mm.dgrad(grad_out, w_t, offs, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
+    return grouped_mm.wgrad(grad_out, x, offs, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
+def blockwise_decompositions() -> dict:
+    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
+    ops = torch.ops.moepass
+    return {
+        ops.blockwise_linear.default: _decompose_linear,
+        ops.blockwise_linear_dgrad.default: _decompose_linear_dgrad,
+        ops.blockwise_linear_wgrad.default: _decompose_linear_wgrad,
+        ops.blockwise_grouped_mm.default: _decompose_grouped_mm,
+        ops.blockwise_grouped_mm_dgrad.default: _decompose_grouped_mm_dgrad,
+        ops.blockwise_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def register_inductor_fallbacks() -> None:
+    """Lowerings for the ops a decomposition declined (kernels "emulated", "deepgemm"): Inductor refuses to create a
+    fallback on the fly for an op in its decomposition table, so register the one it would have made."""
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    from ..fp8_rowwise.decomp import _default_layout_constraint
+
+    for op in blockwise_decompositions():
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=_default_layout_constraint(op), warn=False, override_decomp=True)
