@@ -7,9 +7,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.extended  # ~30 s on 2 cores; an example script, its ops are CI-tested in test_ep_ops.py
 def test_ep_round_trip_bench_runs_on_cpu_and_writes_json(tmp_path):
     out = tmp_path / "ep.json"
     with socket.socket() as sock:

@@ -194,7 +194,7 @@ def check_debug_model_matches_uncompiled(rank, world_size, inductor):
         assert (grad.float() - ref_grads[name].float()).abs().max() <= scale / 32, name
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_debug_model_rewritten_matches_uncompiled_bitwise(world_size, rank_pool):
     rank_pool(world_size).run(check_debug_model_matches_uncompiled, False, timeout_s=300)
 

@@ -92,7 +92,8 @@ def _check_model_matches_full(rank, world_size, dtype_name):
     _compare_grads(ep_model, full, rank, world_size, tol)
 
 
-@pytest.mark.parametrize("world_size, dtype_name", [(2, "float32"), (2, "bfloat16"),
+@pytest.mark.parametrize("world_size, dtype_name", [pytest.param(2, "float32", marks=pytest.mark.extended),
+                                                    (2, "bfloat16"),
                                                     pytest.param(4, "float32", marks=pytest.mark.extended)])
 def test_ep_model_matches_single_process_model(world_size, dtype_name):
     run_on_ranks(world_size, _check_model_matches_full, dtype_name)

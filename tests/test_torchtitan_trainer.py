@@ -200,6 +200,7 @@ def test_torchtitan_trainer_with_moepass_tracks_reference(route, case, corpus, t
         check_moe_block_rewritten(got.report, case.layout, case.inductor)
 
 
+@pytest.mark.extended  # an expected failure (below) that takes 2 trainer processes to show
 def test_pipeline_parallel(corpus, tmp_path):
     """torchtitan's PP (2 stages of the 4-layer debugmodel, 1F1B) on 2 gloo ranks with moepass: an expected
     failure on torch 2.13, whose schedule step() lacks the pre-split microbatch API torchtitan 0.3.0 calls."""
