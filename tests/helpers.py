@@ -648,3 +648,38 @@ def scaled_grouped_mm_on_cpu(scaled_mm_on_cpu):
 # the debug DeepSeek-V3 shrunk for a 2-core CPU: every MXFP8 K/N still a multiple of 32
 TINY = {"n_layers": 2, "dim": 128, "inter_dim": 256, "moe_inter_dim": 64, "n_heads": 2, "kv_lora_rank": 64,
         "vocab_size": 512}
+
+
+class TwoLinears(torch.nn.Module):
+    """x -> down(relu(up(x))): `up` is rewritten, `down` (the last linear) is left alone as an output head."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def two_linears_per_kernel(recipe: str, kernels, dim: int, hidden: int):
+    """One forward and backward of the same TwoLinears through the moepass backend per `<recipe>.kernel`, caches off:
+    ({kernel: (output, up's grad, down's grad)}, {kernel: {"forward"|"backward": compiled ops}})."""
+    import moepass
+
+    torch.manual_seed(0)
+    model = TwoLinears(dim, hidden).to(BF16)
+    x = torch.randn(2, 25, dim).to(BF16)
+    results, audits = {}, {}
+    for kernel in kernels:
+        torch._dynamo.reset()
+        m = TwoLinears(dim, hidden).to(BF16)
+        m.load_state_dict(model.state_dict())
+        options = {"recipe": recipe, f"{recipe}.kernel": kernel}
+        with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            out = torch.compile(m, backend="moepass", options=options)(x)
+            out.float().square().sum().backward()
+        results[kernel] = (out.detach(), m.up.weight.grad, m.down.weight.grad)
+        audits[kernel] = {c["kind"]: c["ops"] for c in report.compiled}
+    return results, audits

@@ -18,7 +18,7 @@ import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.blockwise import decomp, gemm, kernels, quant
 from moepass.options import Config
 from moepass.recipes import BLOCKWISE, settle
-from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs
+from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs, two_linears_per_kernel
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
@@ -233,32 +233,8 @@ def test_inductor_compiles_the_decomposed_block_bit_equal_to_emulated(blockwise_
     assert_all_equal(got, forward_backward(lambda *a: _block(*a, "emulated"), g, x, w, w_t, offs), "block")
 
 
-class _TwoLinears(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = torch.nn.Linear(128, 256, bias=False)
-        self.down = torch.nn.Linear(256, 128, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def test_the_backend_compiles_blockwise_linears_bit_equal_to_emulated(blockwise_scaled_mm_on_cpu):
-    torch.manual_seed(0)
-    model = _TwoLinears().to(BF16)
-    x = torch.randn(2, 25, 128).to(BF16)
-    results, audits = {}, {}
-    for kernel in ("scaled_mm", "emulated"):
-        torch._dynamo.reset()
-        m = _TwoLinears().to(BF16)
-        m.load_state_dict(model.state_dict())
-        options = {"recipe": "blockwise", "blockwise.kernel": kernel}
-        with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            out = torch.compile(m, backend="moepass", options=options)(x)
-            out.float().square().sum().backward()
-        results[kernel] = (out.detach(), m.up.weight.grad, m.down.weight.grad)
-        audits[kernel] = {c["kind"]: c["ops"] for c in report.compiled}
+    results, audits = two_linears_per_kernel("blockwise", ("scaled_mm", "emulated"), 128, 256)
     # `up` is rewritten (`down`, the last linear, is left alone as an output head): its forward and wgrad
     fp8 = audits["scaled_mm"]
     assert fp8["forward"].get("moepass.blockwise_scaled_mm") == 1, fp8

@@ -17,7 +17,7 @@ import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.cache_key import CompiledGraphAudit
 from moepass.ops.lowp.fp8_rowwise import decomp, quant
-from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs
+from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs, two_linears_per_kernel
 from helpers import fp8_rowwise_op_grouped as op_grouped
 from helpers import fp8_rowwise_op_linear as op_linear
 from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
@@ -244,32 +244,8 @@ def test_backend_passes_the_table_to_compile_fx(monkeypatch):
     assert isinstance(seen["config_patches"]["post_grad_custom_post_pass"], CompiledGraphAudit)
 
 
-class _TwoLinears(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = torch.nn.Linear(64, 96, bias=False)
-        self.down = torch.nn.Linear(96, 64, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def test_inductor_through_the_backend_runs_scaled_mm_bit_equal_to_emulated(scaled_mm_on_cpu):
-    torch.manual_seed(0)
-    model = _TwoLinears().to(BF16)
-    x = torch.randn(2, 25, 64).to(BF16)
-    results, audits = {}, {}
-    for kernel in ("scaled_mm", "emulated"):
-        torch._dynamo.reset()
-        m = _TwoLinears().to(BF16)
-        m.load_state_dict(model.state_dict())
-        options = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": kernel}
-        with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            out = torch.compile(m, backend="moepass", options=options)(x)
-            out.float().square().sum().backward()
-        results[kernel] = (out.detach(), m.up.weight.grad, m.down.weight.grad)
-        audits[kernel] = {c["kind"]: c["ops"] for c in report.compiled}
+    results, audits = two_linears_per_kernel("fp8_rowwise", ("scaled_mm", "emulated"), 64, 96)
     # `up` is rewritten (`down`, the last linear, is left alone as an output head): its three GEMMs in FP8
     fp8 = audits["scaled_mm"]
     assert fp8["forward"].get("aten._scaled_mm") == 1 and fp8["backward"].get("aten._scaled_mm") == 1  # wgrad
