@@ -131,6 +131,7 @@ def test_bounded_catalog_block(name, rank_pool):
     rank_pool(2).run(check_block, name)
 
 
+@pytest.mark.extended  # CI compiles a bounded-count region with Inductor, its check firing, in test_bounded_counts.py
 def test_plain_block_through_inductor(rank_pool):
     """The plain spelling with Inductor after the rewrite (options={"passes": ["deepep"]})."""
     rank_pool(2).run(check_block, "BincountTolistIndexAdd", True)

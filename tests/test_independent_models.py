@@ -47,6 +47,9 @@ def test_hf_style_independent_model_rewritten_and_trains():
     assert backward.get("moepass.mxfp8_grouped_mm_wgrad") == d["ops_before"]["_grouped_mm"]
 
 
+# through Inductor (~60 s on 2 cores): under -m extended; CI trains the same unmodified DeepseekV3ForCausalLM through
+# the passes, rewrite counts asserted, in tests/test_hf_families.py
+@pytest.mark.extended
 def test_hf_transformers_deepseek_v3_unmodified():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.DeepseekV3Config(
