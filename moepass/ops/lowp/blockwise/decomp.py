@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from ..inductor_fallbacks import register_fallbacks
 from . import grouped_mm, linear
 
 
@@ -62,12 +63,5 @@ def blockwise_decompositions() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def register_inductor_fallbacks() -> None:
-    """Lowerings for the ops a decomposition declined (kernels "emulated", "deepgemm"): Inductor refuses to create a
-    fallback on the fly for an op in its decomposition table, so register the one it would have made."""
-    from torch._inductor.lowering import lowerings, make_fallback
-
-    from ..fp8_rowwise.decomp import _default_layout_constraint
-
-    for op in blockwise_decompositions():
-        if op not in lowerings:
-            make_fallback(op, layout_constraint=_default_layout_constraint(op), warn=False, override_decomp=True)
+    """Lowerings for the ops a decomposition declines (kernels "emulated", "deepgemm")."""
+    register_fallbacks(blockwise_decompositions())

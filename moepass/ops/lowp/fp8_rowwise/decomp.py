@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..formats import FP8_ALIGN
+from ..inductor_fallbacks import register_fallbacks
 from . import quant
 from .scaled_gemms import scaled_grouped_mm, scaled_mm, zero_rows_after_last_group
 
@@ -220,23 +221,5 @@ def inductor_decompositions(expert_weights_once: bool = False, linear_both_layou
 
 @functools.lru_cache(maxsize=None)
 def register_inductor_fallbacks() -> None:
-    """Lowerings for the ops a decomposition declined (kernel "emulated", maybe-empty tokens).
-
-    Inductor refuses to create a fallback on the fly for an op that has an entry in its decomposition
-    table ("both a fallback and a decomp for same op"), so register the fallback it would have made.
-    """
-    from torch._inductor.lowering import lowerings, make_fallback
-
-    for op in fp8_rowwise_decompositions():
-        if op not in lowerings:
-            make_fallback(op, layout_constraint=_default_layout_constraint(op), warn=False, override_decomp=True)
-
-
-def _default_layout_constraint(op):
-    """The stride constraint Inductor's implicit fallback gives a custom op (torch 2.11-2.13 internals)."""
-    try:
-        from torch._inductor.lowering import tag_to_layout_constraint
-        from torch._library.utils import get_layout_constraint_tag
-    except ImportError:
-        return None
-    return tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+    """Lowerings for the ops a decomposition declines (kernel "emulated", maybe-empty tokens)."""
+    register_fallbacks(fp8_rowwise_decompositions())

@@ -1,0 +1,26 @@
+"""Inductor lowerings for moepass ops whose decomposition may decline (returns NotImplemented: kernel "emulated",
+say), shared by every recipe that hands Inductor a decomposition table.
+
+Inductor refuses to create a fallback on the fly for an op that has an entry in its decomposition table ("both a
+fallback and a decomp for same op"), so register, once per op, the fallback it would have made.
+"""
+
+from __future__ import annotations
+
+
+def register_fallbacks(ops) -> None:
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    for op in ops:
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=_default_layout_constraint(op), warn=False, override_decomp=True)
+
+
+def _default_layout_constraint(op):
+    """The stride constraint Inductor's implicit fallback gives a custom op (torch 2.11-2.13 internals)."""
+    try:
+        from torch._inductor.lowering import tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:
+        return None
+    return tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
