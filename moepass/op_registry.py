@@ -43,3 +43,31 @@ def register_exchange(op) -> None:
 def is_exchange(op) -> bool:
     """A moepass op that exchanges tokens between ranks (EP dispatch / combine, forward or backward)."""
     return _packet(op) in _EXCHANGES
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsForm:
+    """A grouped forward op's form on rows quantized before their gather or dispatch (ops/lowp/grouped_mm_rows.py)."""
+
+    quantize: object  # OpOverloadPacket: moepass::<recipe>_quantize_rows(x, *settings, kernel) -> (q, scale)
+    grouped_mm: object  # OpOverloadPacket: moepass::<recipe>_grouped_mm_rows(x, x_q, x_scale, w_t, offs, ...)
+    gemm: object  # OpOverloadPacket: moepass::<recipe>_grouped_mm_on_rows(x_q, x_scale, w_t, offs, ...), without x
+    kernels: tuple[str, ...]  # the kernels (the ops' last argument) that have it
+
+
+_ROWS_FORMS: dict[object, RowsForm] = {}  # grouped forward OpOverloadPacket -> its rows form
+
+
+def register_rows_form(forward_op, quantize, grouped_mm, gemm, kernels: tuple[str, ...]) -> None:
+    _ROWS_FORMS[_packet(forward_op)] = RowsForm(_packet(quantize), _packet(grouped_mm), _packet(gemm), kernels)
+
+
+def rows_form(op) -> RowsForm | None:
+    """The rows form of a moepass grouped forward op, or None when its recipe has none."""
+    return _ROWS_FORMS.get(_packet(op))
+
+
+def is_rows_form(op) -> bool:
+    """A moepass::<recipe>_grouped_mm_rows (or its GEMM without x): an op that already reads quantized rows."""
+    packet = _packet(op)
+    return any(packet is form.grouped_mm or packet is form.gemm for form in _ROWS_FORMS.values())

@@ -46,8 +46,14 @@ log = logging.getLogger(__name__)
 ENV_VAR = "MOEPASS_OPTIONS"
 _ENV_EXAMPLE = '{"passes": ["linear"]}'
 
-PIPELINE = ("deepep", "grouped_mm", "linear")
+PIPELINE = ("deepep", "grouped_mm", "quantize_once", "linear")
 """All passes, in the order they run. `options["passes"]` picks a subset; order stays this one."""
+
+DEFAULT_PASSES = ("deepep", "grouped_mm", "linear")
+"""The passes run by default: quantize_once is opt-in until a GPU A/B decides (its CPU checks: bit-equal forward)."""
+
+PASS_NEEDS = {"quantize_once": ("grouped_mm",)}
+"""Passes that rewrite another pass's ops, and that pass: a benchmark variant of one runs both."""
 
 PASS_ALIASES = {"mxfp8_grouped_mm": "grouped_mm", "mxfp8_linear": "linear"}
 """Old pass names (from before the FP8-rowwise recipe) -> the pass they name."""
@@ -89,7 +95,8 @@ MOEPASS_INDUCTOR_PATCHES = ("post_grad_custom_post_pass", "joint_custom_pre_pass
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("passes", PIPELINE, "passes to run, by name (they always run in pipeline order); old names "
+    Option("passes", DEFAULT_PASSES, "passes to run, by name (they always run in pipeline order: "
+           f"{', '.join(PIPELINE)}); quantize_once is opt-in; old names "
            + ", ".join(f"{old} = {new}" for old, new in PASS_ALIASES.items()),
            check=_is_pass_list, expects=f"a list drawn from {list(PIPELINE)} (or old names {list(PASS_ALIASES)})"),
     Option("inductor", True, "compile the rewritten graph with Inductor (False: run it eagerly, for debugging)",
@@ -145,6 +152,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", "emulated", "scaled_mm", "deepgemm")),
     Option("blockwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward "
            "and dgrad stay FP8)", choices=(True, False)),
+    Option("quantize_once.saved_rows", "fp8", "what the quantize_once pass keeps of the experts' input rows for "
+           "the weight gradient: fp8 = the FP8 rows and their scales (half the bytes of BF16 rows; the wgrad reads "
+           "them dequantized, so a BF16 wgrad sees the quantized rows); bf16 = the BF16 rows, as without the pass "
+           "(the wgrad then bit-equal to grouped_mm's)", choices=("fp8", "bf16")),
     Option("lowp.include", ("*",), "module-path glob patterns the low-precision GEMM passes rewrite (fnmatch, "
            "e.g. 'layers.*.moe.*')", check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.include",)),
     Option("lowp.exclude", (), "module-path glob patterns never rewritten (wins over include)",

@@ -53,6 +53,13 @@ class SkipCode(enum.Enum):
                      "different meshes, or placed in a layout the ops' sharding strategies do not take as it is "
                      "(rewriting would add communication)", "the colwise / rowwise / sequence-parallel plans of "
                      "`torch.distributed.tensor.parallel`")
+    # ---- quantize_once
+    NO_ROWS_FORM = ("quantize_once", "no rows form", "the expert GEMM's recipe or kernel quantizes x inside its own "
+                    "kernels (mxfp8 through torchao's grouped GEMMs, blockwise on DeepGEMM)", "-")
+    ROWS_ARE_DTENSORS = ("quantize_once", "rows are DTensors", "expert tensor parallelism: the rows are quantized "
+                         "where the GEMM reads them", "-")
+    REWRITE_ERROR = ("quantize_once", "could not rewrite", "an unexpected error while rewriting (the GEMM stays as "
+                     "grouped_mm left it)", "report it: a bug")
     # ---- deepep
     NOT_A_PAIR = ("deepep", "not part of a dispatch/combine pair", "an all-to-all that is not an MoE token exchange "
                   "(no later all-to-all sends the rows back)", "-")

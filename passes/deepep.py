@@ -22,12 +22,12 @@ import operator
 
 import torch
 from torch import fx
-from torch.fx.node import map_arg
 
 from moepass.analysis.collectives import is_autograd_function, is_collective
 from moepass.analysis.dtensors import is_dtensor, local_value
 from moepass.analysis.ep_region import EPRegion, find_ep_regions, result_readers
 from moepass.analysis.scopes import graph_scopes
+from moepass.emit import Emitter, fake_value
 from moepass.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
 from moepass.skips import Reason, SkipCode
 
@@ -100,46 +100,7 @@ def _detail(region: EPRegion, backend: str, kept_counts: bool) -> str:
 # ---------------------------------------------------------------- the rewrite
 
 
-class _Emitter:
-    """Inserts call nodes before an anchor, with the FakeTensor values later passes read."""
-
-    def __init__(self, graph: fx.Graph, fake_mode):
-        self.graph, self.fake_mode = graph, fake_mode
-
-    def __call__(self, target, *args, method: bool = False, **kwargs) -> fx.Node:
-        node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs)
-        fake_value(node, self.fake_mode)
-        return node
-
-
-def fake_value(node: fx.Node, fake_mode) -> None:
-    """(Re)compute a node's FakeTensor value from its inputs' values; drop it when that is not possible."""
-    node.meta.pop("example_value", None)
-    if fake_mode is None or any(example_value(a) is None for a in node.all_input_nodes):
-        return
-    args, kwargs = map_arg((node.args, node.kwargs), example_value)
-    try:
-        with fake_mode:
-            value = getattr(args[0], node.target)(*args[1:], **kwargs) if node.op == "call_method" \
-                else node.target(*args, **kwargs)
-    except Exception as error:  # a later pass then sees no metadata and says so; AOTAutograd retraces anyway
-        log.debug("deepep: no fake value for %s: %r", node.name, error, exc_info=True)
-        return
-    node.meta["example_value"] = value
-    _bind_unbacked(fake_mode, node, value)
-
-
-def _bind_unbacked(fake_mode, node, value) -> None:
-    """Claim the unbacked sizes a fake kernel just made, as Dynamo does for the nodes it traces."""
-    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
-
-    if fake_mode.shape_env is not None:
-        bindings = compute_unbacked_bindings(fake_mode.shape_env, value)
-        if bindings:
-            node.meta["unbacked_bindings"] = bindings
-
-
-def _local(emit: _Emitter, node: fx.Node) -> fx.Node:
+def _local(emit: Emitter, node: fx.Node) -> fx.Node:
     """A DTensor operand's local shard (the EP analysis identified the region on local data), else the node."""
     return emit("to_local", node, method=True) if is_dtensor(example_value(node)) else node
 
@@ -171,7 +132,7 @@ def rewrite_regions(gm: fx.GraphModule, regions: list[tuple[EPRegion, str]]) -> 
 _REGION_CHECK = "moepass_region_check"
 
 
-def _assert_ids_in_range(graph: fx.Graph, emit: _Emitter, region: EPRegion) -> None:
+def _assert_ids_in_range(graph: fx.Graph, emit: Emitter, region: EPRegion) -> None:
     """For each bincount whose length the analysis proved E from its ids: assert at run time that the ids lie in
     [0, E), which is what the rewrite relies on (it dispatches to E experts) and what makes the length E.
 
@@ -194,7 +155,7 @@ def _assert_ids_in_range(graph: fx.Graph, emit: _Emitter, region: EPRegion) -> N
 
 def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
     graph = gm.graph
-    emit = _Emitter(graph, _fake_mode(region))
+    emit = Emitter(graph, _fake_mode(region))
     _assert_ids_in_range(graph, emit, region)
     x_meta, sent_meta = tensor_meta(region.x), tensor_meta(region.token_a2a.input)
     with graph.inserting_before(region.token_a2a.node):

@@ -72,7 +72,9 @@ def _grouped(offs, kernel, wgrad_bf16=False):
 
 def test_the_recipe_hands_inductor_a_table_of_its_six_ops():
     table = BLOCKWISE.decompositions(settle(Config.from_options({}), weights_sharded=False))
-    assert set(table) == BLOCKWISE_OPS
+    rows_form = {ops.blockwise_quantize_rows.default, ops.blockwise_grouped_mm_rows.default,
+                 ops.blockwise_grouped_mm_on_rows.default}  # quantize_once's ops (tests/test_quantize_once.py)
+    assert set(table) == BLOCKWISE_OPS | rows_form
 
 
 def test_emulated_and_deepgemm_kernels_are_not_decomposed():
@@ -166,6 +168,18 @@ def test_grouped_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_o
               table[ops.blockwise_grouped_mm_dgrad.default](g, w_t, offs, "scaled_mm"),
               table[ops.blockwise_grouped_mm_wgrad.default](g, x, offs, "scaled_mm"))
     assert_all_equal(direct, want, f"decomposition {sizes}")
+
+
+def test_rows_form_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_on_cpu):
+    """quantize_once's ops (ops/lowp/grouped_mm_rows.py) for kernel "scaled_mm": the rows' quantization in plain torch
+    and the GEMM on quantized rows, bit-equal to the emulated ops."""
+    x, w_t, offs, _ = grouped_inputs([20, 0, 27], 128, 256, seed=5, trailing_tokens=3)
+    table = decomp.blockwise_decompositions()
+    q, scale = ops.blockwise_quantize_rows(x, "emulated")
+    assert_all_equal(table[ops.blockwise_quantize_rows.default](x, "scaled_mm"), (q, scale), "quantize_rows")
+    want = ops.blockwise_grouped_mm_on_rows(q, scale, w_t, offs, "emulated")
+    assert torch.equal(table[ops.blockwise_grouped_mm_on_rows.default](q, scale, w_t, offs, "scaled_mm"), want)
+    assert torch.equal(want, ops.blockwise_grouped_mm(x, w_t, offs, False, "emulated"))
 
 
 # ---- AOTAutograd applies the table: the graphs hold the GEMM ops and plain-torch quantization -------------

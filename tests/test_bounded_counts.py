@@ -380,7 +380,7 @@ def test_rewritten_graph_asserts_the_ids_lie_below_the_experts(fake_process_grou
 
 def _feed_ids_past_the_experts(gm):
     """The checked code path with ids it was not meant to see: the check reads ids + E."""
-    from moepass.passes.deepep import fake_value
+    from moepass.emit import fake_value
 
     (check,) = _ids_checks(gm)
     ids = _checked_ids(check)

@@ -48,7 +48,9 @@ def _counting_backend(op, counts: dict, **table_options):
 
 def test_table_covers_the_six_ops():
     table = decomp.fp8_rowwise_decompositions()
-    assert set(table) == FP8_OPS
+    # and quantize_once's quantization and GEMM on quantized rows (tests/test_quantize_once.py)
+    assert set(table) == FP8_OPS | {torch.ops.moepass.fp8_rowwise_quantize_rows.default,
+                                    torch.ops.moepass.fp8_rowwise_grouped_mm_on_rows.default}
     merged = decomp.inductor_decompositions()
     assert set(table) <= set(merged) and torch.ops.aten.addmm.default in merged  # Inductor's own table kept
 
@@ -120,6 +122,20 @@ def test_grouped_scaled_mm_equals_emulated_bit_for_bit(scaled_grouped_mm_on_cpu,
     out, grad_x, _ = op_grouped(x, w_t, offs, g, kernel="emulated")
     assert torch.equal(decomp.grouped_mm(x, w_t, offs), out)  # rows past offs[-1]: zero, not the stand-in's NaN
     assert torch.equal(decomp.grouped_mm_dgrad(g, w_t, offs), grad_x)
+
+
+@pytest.mark.parametrize("weights_once", [False, True])
+def test_rows_form_decomposition_equals_emulated_bit_for_bit(scaled_grouped_mm_on_cpu, weights_once):
+    """quantize_once's ops (ops/lowp/grouped_mm_rows.py) for kernel "scaled_mm": the rows' quantization in plain torch
+    and the GEMM on quantized rows, bit-equal to the emulated ops."""
+    x, w_t, offs, _ = grouped_inputs([10, 0, 50, 40], 64, 48, seed=4, trailing_tokens=7)
+    table = decomp.fp8_rowwise_decompositions(expert_weights_once=weights_once)
+    ops = torch.ops.moepass
+    q, scale = ops.fp8_rowwise_quantize_rows(x, "emulated")
+    assert_all_equal(table[ops.fp8_rowwise_quantize_rows.default](x, "scaled_mm"), (q, scale), "quantize_rows")
+    want = ops.fp8_rowwise_grouped_mm_on_rows(q, scale, w_t, offs, "emulated")
+    assert torch.equal(table[ops.fp8_rowwise_grouped_mm_on_rows.default](q, scale, w_t, offs, "scaled_mm"), want)
+    assert torch.equal(want, ops.fp8_rowwise_grouped_mm(x, w_t, offs, False, "emulated"))
 
 
 @pytest.mark.parametrize("sizes, trailing", [([10, 0, 50, 40], 7), ([100, 33, 0, 0, 17], 3), ([0, 0, 5], 0)])

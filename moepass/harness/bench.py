@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list from {variant_names()} (default: inductor,[deepep with --ep>1,]"
                         "grouped_mm,linear,all; the old names mxfp8_grouped_mm, mxfp8_linear still work)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
-                   help="an extra moepass variant: every pass with --options updated by JSON (repeatable), "
+                   help="an extra moepass variant: the default passes with --options updated by JSON (repeatable), "
                         "e.g. 'wgrad_bf16={\"fp8_rowwise.wgrad_bf16\": true}'")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun: 1 or WORLD_SIZE)")
     p.add_argument("--profile", action="store_true", help="profile 2 extra steps per variant; the top kernels to JSON")

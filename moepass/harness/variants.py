@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from ..options import PASS_ALIASES, PIPELINE, Config
+from ..options import DEFAULT_PASSES, PASS_ALIASES, PASS_NEEDS, PIPELINE, Config
 from .peers import PEERS, convert_to_peer, inductor_options, peer_problem
 
 BASELINE = "inductor"  # BF16 through Inductor: what every speedup and loss gap is measured against
@@ -51,8 +51,9 @@ def resolve_variants(names: list[str], options: dict | None = None,
                      custom: dict[str, dict] | None = None) -> list[Variant]:
     """Variant names -> Variants; `options` (user backend options) go to every moepass variant.
 
-    "moepass" is another name for "all" (every pass), the name `moepass converge` reports under.
-    `custom`: {label: options} adds moepass variants after the named ones, each running every pass (or
+    "moepass" is another name for "all" (the default passes), the name `moepass converge` reports under; a pass's
+    own variant also runs the pass whose ops it rewrites (options.PASS_NEEDS: quantize_once runs after grouped_mm).
+    `custom`: {label: options} adds moepass variants after the named ones, each running the default passes (or
     its own "passes") with `options` updated by its own, to A/B options side by side in one run.
     """
     options = dict(options or {})
@@ -74,10 +75,10 @@ def resolve_variants(names: list[str], options: dict | None = None,
         elif n in PEERS:  # what users run instead: torchtitan's torchao recipe, compiled by Inductor
             out.append(Variant(n, "inductor", inductor_options(n), peer=n))
         else:
-            passes = list(PIPELINE) if n in ("all", "moepass") else [n]
+            passes = list(DEFAULT_PASSES) if n in ("all", "moepass") else [*PASS_NEEDS.get(n, ()), n]
             out.append(Variant(n, "moepass", {**options, "passes": passes}))
     for label, own in (custom or {}).items():
-        merged = {"passes": list(PIPELINE), **options, **own}
+        merged = {"passes": list(DEFAULT_PASSES), **options, **own}
         Config.from_options(merged)
         out.append(Variant(label, "moepass", merged))
     return out

@@ -56,8 +56,10 @@ class BlockwiseRecipe(Recipe):
         fuses the quantization (ops/lowp/blockwise/decomp.py); no option changes the table."""
         from moepass.ops.lowp.blockwise.decomp import blockwise_decompositions, register_inductor_fallbacks
 
+        from moepass.ops.lowp.grouped_mm_rows import rows_decompositions
+
         register_inductor_fallbacks()
-        return blockwise_decompositions()
+        return {**blockwise_decompositions(), **rows_decompositions(self)}
 
 
 BLOCKWISE = BlockwiseRecipe()

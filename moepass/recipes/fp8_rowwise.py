@@ -65,10 +65,13 @@ class FP8RowwiseRecipe(Recipe):
         decomp.py); the fp8_rowwise.* layout options pick which quantizations are shared."""
         from moepass.ops.lowp.fp8_rowwise.decomp import fp8_rowwise_decompositions, register_inductor_fallbacks
 
+        from moepass.ops.lowp.grouped_mm_rows import rows_decompositions
+
         register_inductor_fallbacks()
-        return fp8_rowwise_decompositions(config["fp8_rowwise.expert_weights_once"],
-                                          config["fp8_rowwise.linear_both_layouts"],
-                                          config["fp8_rowwise.linear_weights_once"])
+        return {**fp8_rowwise_decompositions(config["fp8_rowwise.expert_weights_once"],
+                                             config["fp8_rowwise.linear_both_layouts"],
+                                             config["fp8_rowwise.linear_weights_once"]),
+                **rows_decompositions(self)}
 
 
 FP8_ROWWISE = FP8RowwiseRecipe()

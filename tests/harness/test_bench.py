@@ -16,7 +16,7 @@ from moepass.harness.model_spec import ModelSpec
 from moepass.harness.ranks import Ranks
 from moepass.harness.timing import add_speedups
 from moepass.harness.variants import Variant
-from moepass.options import PIPELINE
+from moepass.options import DEFAULT_PASSES
 
 STEPS, WARMUP, BATCH, SEQ = 4, 1, 2, 32
 VARIANTS = ["eager", "inductor", "all"]
@@ -128,7 +128,7 @@ def test_variants_start_from_the_same_weights_and_batches(bench_run):
 def test_moepass_variant_reports_what_the_passes_did(bench_run):
     result, _, _ = bench_run
     v = next(v for v in result["variants"] if v["name"] == "all")
-    assert v["options"]["passes"] == list(PIPELINE)
+    assert v["options"]["passes"] == list(DEFAULT_PASSES)
     assert v["passes"]["grouped_mm"] == 3  # one MoE layer: w1, w3, w2
     assert v["passes"]["linear"] > 0
     assert v["graphs"] == 1 and v["graph_breaks"] == 0

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..inductor_fallbacks import register_fallbacks
-from . import grouped_mm, linear
+from . import grouped_mm, linear, quant
 
 
 def _decompose_linear(x, weight, bias, wgrad_bf16, kernel):
@@ -48,10 +48,20 @@ def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
     return grouped_mm.wgrad(grad_out, x, offs, kernel) if kernel == "scaled_mm" else NotImplemented
 
 
+def _decompose_quantize_rows(x, kernel):
+    return quant.quantize_tiles(x) if kernel == "scaled_mm" else NotImplemented
+
+
+def _decompose_grouped_mm_on_rows(x_q, x_scale, w_t, offs, kernel):
+    return grouped_mm.forward_rows(x_q, x_scale, w_t, offs, kernel) if kernel == "scaled_mm" else NotImplemented
+
+
 def blockwise_decompositions() -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
     ops = torch.ops.moepass
     return {
+        ops.blockwise_quantize_rows.default: _decompose_quantize_rows,
+        ops.blockwise_grouped_mm_on_rows.default: _decompose_grouped_mm_on_rows,
         ops.blockwise_linear.default: _decompose_linear,
         ops.blockwise_linear_dgrad.default: _decompose_linear_dgrad,
         ops.blockwise_linear_wgrad.default: _decompose_linear_wgrad,

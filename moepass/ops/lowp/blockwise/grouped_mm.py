@@ -14,11 +14,13 @@ offs[-1] belong to no group: their outputs and input gradients are zero.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from moepass.recipes.blockwise import BLOCKWISE
 
 from ..grouped_mm import define_grouped_mm_ops
+from ..grouped_mm_rows import RowGemms, define_grouped_mm_rows_ops
 from ..mxfp8_token_groups import pad_token_groups, plan_token_group_padding
 from ..op_recipe import RecipeGemms
 from . import deepgemm, quant
@@ -30,7 +32,11 @@ def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
     """out = x[g] @ w_t[g] per token group."""
     if kernel == "deepgemm":
         return deepgemm.forward(x, w_t, offs)
-    x_q, x_scale = quant.quantize_tiles(x)
+    return forward_rows(*quant.quantize_tiles(x), w_t, offs, kernel)
+
+
+def forward_rows(x_q: Tensor, x_scale: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """The forward on x already quantized in 1x128 tiles (quant.quantize_tiles): moepass::blockwise_grouped_mm_rows."""
     w_q, w_scale = quant.quantize_blocks(w_t.transpose(-2, -1))  # [E, N, K]: B of A @ B.T per expert
     return grouped_mm_nt(x_q, x_scale, w_q, w_scale, offs, kernel)
 
@@ -55,4 +61,13 @@ def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     return grad_w.transpose(-2, -1)
 
 
-define_grouped_mm_ops(BLOCKWISE, RecipeGemms(forward, dgrad, wgrad, check_settings))
+def _dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
+    return quant.dequantize_tiles(q, scale).to(torch.bfloat16)
+
+
+GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)
+define_grouped_mm_ops(BLOCKWISE, GEMMS)
+# rows quantized before their gather: 1x128 tiles along K (DeepGEMM quantizes its operands itself: no rows form)
+define_grouped_mm_rows_ops(BLOCKWISE, GEMMS, RowGemms(lambda x, kernel: quant.quantize_tiles(x), forward_rows,
+                                                      _dequantize_rows, lambda k: k // quant.TILE,
+                                                      kernels=("scaled_mm", "emulated"), fp8_wgrad_on_rows=False))

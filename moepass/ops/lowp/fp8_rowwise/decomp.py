@@ -110,7 +110,11 @@ def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor, weights_once: bool = False)
 
     weights_once: the weight through moepass::fp8_rowwise_expert_weights, which the dgrad calls too (one pass).
     """
-    x_q, x_scale = rows(x)  # [M, K], [M, 1]
+    return grouped_mm_on_rows(*rows(x), w_t, offs, weights_once)  # x: [M, K], [M, 1]
+
+
+def grouped_mm_on_rows(x_q: Tensor, x_scale: Tensor, w_t: Tensor, offs: Tensor, weights_once: bool = False) -> Tensor:
+    """moepass::fp8_rowwise_grouped_mm_on_rows: grouped_mm on x already quantized per row."""
     if weights_once:
         w_q, w_scale, _, _ = torch.ops.moepass.fp8_rowwise_expert_weights(w_t)
     else:
@@ -181,6 +185,18 @@ def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
     return grouped_mm_wgrad(grad_out, x, offs)
 
 
+def _decompose_quantize_rows(x, kernel):
+    if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
+        return NotImplemented
+    return rows(x)
+
+
+def _decompose_grouped_mm_on_rows(x_q, x_scale, w_t, offs, kernel, weights_once=False):
+    if kernel != "scaled_mm" or _maybe_empty(x_q.shape[0]):
+        return NotImplemented
+    return grouped_mm_on_rows(x_q, x_scale, w_t, offs, weights_once)
+
+
 # fp8_rowwise.linear_both_layouts -> the linear operands quantized into both layouts by one op
 LINEAR_BOTH_LAYOUTS = {"none": (), "grads": ("grads",), "grads_and_inputs": ("grads", "inputs")}
 
@@ -206,6 +222,9 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_la
         ops.fp8_rowwise_grouped_mm.default: _with(_decompose_grouped_mm, weights_once=expert_weights_once),
         ops.fp8_rowwise_grouped_mm_dgrad.default: _with(_decompose_grouped_mm_dgrad, weights_once=expert_weights_once),
         ops.fp8_rowwise_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
+        ops.fp8_rowwise_quantize_rows.default: _decompose_quantize_rows,
+        ops.fp8_rowwise_grouped_mm_on_rows.default: _with(_decompose_grouped_mm_on_rows,
+                                                          weights_once=expert_weights_once),
     }
 
 

@@ -15,7 +15,9 @@ from torch import Tensor
 
 from moepass.recipes.fp8_rowwise import FP8_ROWWISE
 
+from ..formats import E4M3
 from ..grouped_mm import define_grouped_mm_ops
+from ..grouped_mm_rows import RowGemms, define_grouped_mm_rows_ops
 from ..grouped_wgrad_bf16 import as_transposed_layout
 from ..op_recipe import RecipeGemms
 from . import quant
@@ -35,7 +37,13 @@ def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tenso
 def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
     if x.shape[0] == 0:
         return x.new_zeros(0, w_t.shape[2])
-    x_q, x_scale = quant.rows(x, kernel)  # [M, K], [M, 1]
+    return forward_rows(*quant.rows(x, kernel), w_t, offs, kernel)  # x: [M, K], [M, 1]
+
+
+def forward_rows(x_q: Tensor, x_scale: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """The forward on x already quantized per row (quant.rows): moepass::fp8_rowwise_grouped_mm_rows."""
+    if x_q.shape[0] == 0:
+        return x_q.new_zeros(0, w_t.shape[2], dtype=torch.bfloat16)
     w_q, w_scale = quant.experts_along_k(w_t, kernel)  # [E, K, N] column-major, [E, 1, N]
     if kernel == "emulated":
         out = torch._grouped_mm(quant.dequantize(x_q, x_scale), quant.dequantize(w_q, w_scale), offs=offs)
@@ -71,4 +79,12 @@ def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     return grouped_mm_wgrad(grad_out, x, offs)
 
 
-define_grouped_mm_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad, check_settings))
+def _rows_quantize(x: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
+    return quant.rows(x, kernel) if x.shape[0] else (x.to(E4M3), x.new_ones(0, 1, dtype=torch.float32))
+
+
+GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)
+define_grouped_mm_ops(FP8_ROWWISE, GEMMS)
+# rows quantized before their gather: one power-of-two scale per row, so dequantization is exact
+define_grouped_mm_rows_ops(FP8_ROWWISE, GEMMS, RowGemms(_rows_quantize, forward_rows, quant.dequantize,
+                                                        lambda k: 1, kernels=("scaled_mm", "emulated"), fp8_wgrad_on_rows=True))
