@@ -71,3 +71,9 @@ def is_rows_form(op) -> bool:
     """A moepass::<recipe>_grouped_mm_rows (or its GEMM without x): an op that already reads quantized rows."""
     packet = _packet(op)
     return any(packet is form.grouped_mm or packet is form.gemm for form in _ROWS_FORMS.values())
+
+
+def is_quantize_rows(op) -> bool:
+    """A moepass::<recipe>_quantize_rows."""
+    packet = _packet(op)
+    return any(packet is form.quantize for form in _ROWS_FORMS.values())

@@ -58,6 +58,11 @@ class SkipCode(enum.Enum):
                     "kernels (mxfp8 through torchao's grouped GEMMs, blockwise on DeepGEMM)", "-")
     ROWS_ARE_DTENSORS = ("quantize_once", "rows are DTensors", "expert tensor parallelism: the rows are quantized "
                          "where the GEMM reads them", "-")
+    DISPATCH_STAYS_BF16 = ("quantize_once", "dispatch sends BF16", "the rows an EP dispatch receives are read by "
+                           "more than expert GEMMs that take quantized rows (a routing weight applied before the "
+                           "experts, BF16 rows saved for the wgrad), or its backend is DeepEP, which does not send "
+                           "FP8 rows through moepass yet", "`quantize_once.saved_rows: fp8`; `deepep.backend: "
+                           "reference` to send FP8 rows over torch.distributed")
     REWRITE_ERROR = ("quantize_once", "could not rewrite", "an unexpected error while rewriting (the GEMM stays as "
                      "grouped_mm left it)", "report it: a bug")
     # ---- deepep

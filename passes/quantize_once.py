@@ -10,6 +10,12 @@ backward instead of BF16 ones (ops/lowp/grouped_mm_rows.py says what that means 
 dgrad are bit-equal to the grouped_mm pass's ops. GEMMs whose input is no gather get the rows form too (x quantized
 where it is, saved in FP8 once for w1 and w3).
 
+Under expert parallelism the source is the rows moepass::ep_dispatch received (the deepep pass ran). When nothing but
+such GEMMs reads those rows (through gathers) and they keep FP8 rows for the backward, the quantization moves before
+the dispatch: moepass::ep_dispatch_quantized sends the FP8 rows and their scales instead of BF16 rows (half the
+bytes), the experts read what arrives, and no quantization runs on the received rows (whose count, known only at run
+time, keeps Inductor from fusing it). The combine and every gradient stay BF16, as in DeepSeek-V3.
+
 Runs after grouped_mm, on its ops; a GEMM it cannot serve stays as grouped_mm left it, with the reason.
 """
 
@@ -22,10 +28,11 @@ import torch
 from torch import fx
 
 from moepass.analysis.dtensors import is_dtensor
+from moepass.analysis.evaluate import reads_only_metadata
 from moepass.analysis.scopes import graph_scopes
 from moepass.emit import Emitter
 from moepass.graph import example_value, module_path, replace_node, tensor_meta
-from moepass.op_registry import GemmRole, gemm_role, is_rows_form, rows_form
+from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
 from moepass.skips import Reason, SkipCode
 
 NAME = "quantize_once"
@@ -77,6 +84,8 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
                                                "themselves"))
                 else:
                     _rewrite_or_leave(scope.graph, node, form, config, record, quantized)
+            for quant in [n for n in scope.graph.nodes if n.op == "call_function" and is_quantize_rows(n.target)]:
+                _move_before_dispatch(scope.graph, quant, record)
 
 
 def _rewrite_or_leave(graph: fx.Graph, node: fx.Node, form, config, record, quantized: dict) -> None:
@@ -138,3 +147,90 @@ def _quantized_rows(emit: Emitter, x: fx.Node, form, settings: tuple, kernel: st
         result = (emit(operator.getitem, q, index), emit(operator.getitem, scale, index), gathers + 1)
     quantized[key] = result
     return result
+
+
+# ---------------------------------------------------------------- before an EP dispatch
+
+
+def _move_before_dispatch(graph: fx.Graph, quant: fx.Node, record) -> None:
+    """quant = <recipe>_quantize_rows(detach(recv_x)) on the rows an ep_dispatch received -> the dispatch sends x's
+    FP8 rows and scales (ep_dispatch_quantized), whose received ones replace quant's outputs."""
+    detach = quant.args[0]
+    recv_x = detach.args[0] if isinstance(detach, fx.Node) and detach.target == "detach" else None
+    dispatch = recv_x.args[0] if isinstance(recv_x, fx.Node) and recv_x.target is operator.getitem \
+        and recv_x.args[1] == 0 else None
+    if not isinstance(dispatch, fx.Node) or dispatch.target is not torch.ops.moepass.ep_dispatch.default:
+        return
+    module = module_path(dispatch) or module_path(quant)
+    problem = _bf16_readers(recv_x, detach) or (
+        f"backend {dispatch.args[-1]!r}: FP8 rows go through the reference backend only"
+        if dispatch.args[-1] != "reference" else None)
+    if problem:
+        record.skip(dispatch, module, Reason(SkipCode.DISPATCH_STAYS_BF16, f"dispatch sends BF16: {problem}"))
+        return
+    value = example_value(dispatch)
+    emit = Emitter(graph, getattr(value[0], "fake_mode", None))
+    with graph.inserting_before(dispatch):
+        x = dispatch.args[0]
+        quantized = emit(quant.target, emit("detach", x, method=True), *quant.args[1:])
+        x_q, x_scale = emit(operator.getitem, quantized, 0), emit(operator.getitem, quantized, 1)
+        sent = graph.call_function(torch.ops.moepass.ep_dispatch_quantized.default,
+                                   (x, x_q, x_scale, *dispatch.args[1:]))
+        _dispatch_meta(sent, dispatch, x_q, x_scale)
+        recv_q, recv_scale = (emit(operator.getitem, sent, i) for i in (1, 2))
+    for user in list(dispatch.users):  # getitem(dispatch, i): recv_x stays output 0, the rest move up by two
+        user.args = (sent, user.args[1] if user.args[1] == 0 else user.args[1] + 2)
+    for user in list(quant.users):
+        user.replace_all_uses_with(recv_q if user.args[1] == 0 else recv_scale)
+        graph.erase_node(user)
+    graph.erase_node(quant)
+    if not detach.users:
+        graph.erase_node(detach)
+    graph.erase_node(dispatch)
+    h, s = tensor_meta(x_q).shape[1], tensor_meta(x_scale).shape[1]
+    record.replace(sent, module, "moepass.ep_dispatch_quantized",
+                   f"FP8 rows and their scales sent ({h + 4 * s} bytes a row instead of {2 * h}); the experts read "
+                   "them as received")
+
+
+def _bf16_readers(rows: fx.Node, detach: fx.Node) -> str | None:
+    """What reads the values of `rows` other than rows-form GEMMs keeping FP8 rows (as their gradient carrier, through
+    row gathers) and the quantization's detach; None when nothing does."""
+    for user in rows.users:
+        if user is detach or reads_only_metadata(user, rows):  # zeros_like(rows), rows.size(0): no values read
+            continue
+        found = gathered_from(user)
+        if found is not None and found[0] is rows and rows not in user.args[1:] and rows not in user.kwargs.values():
+            problem = _bf16_readers(user, detach)
+            if problem:
+                return problem
+        elif is_rows_form(user.target) and user.args[0] is rows and rows not in user.args[1:]:
+            if user.args[5] is not True:
+                return f"{user.name} keeps BF16 rows for its wgrad (quantize_once.saved_rows='bf16')"
+        else:
+            return f"{user.name} ({user.target if isinstance(user.target, str) else user.target.__name__}) reads them"
+    return None
+
+
+def _dispatch_meta(sent: fx.Node, dispatch: fx.Node, x_q: fx.Node, x_scale: fx.Node) -> None:
+    """ep_dispatch_quantized's value: ep_dispatch's, with the received FP8 rows and scales sized by the same
+    (unbacked) received-row count, so every value read off the dispatch keeps its shapes and symbols."""
+    value = example_value(dispatch)
+    recv_x, q, scale = value[0], tensor_meta(x_q), tensor_meta(x_scale)
+    with recv_x.fake_mode:
+        recv_q = recv_x.new_empty((recv_x.shape[0], q.shape[1]), dtype=q.dtype)
+        recv_scale = recv_x.new_empty((recv_x.shape[0], scale.shape[1]), dtype=scale.dtype)
+    sent.meta.update({k: v for k, v in dispatch.meta.items() if k not in ("example_value", "unbacked_bindings")})
+    sent.meta["example_value"] = (recv_x, recv_q, recv_scale, *value[1:])
+    bindings = dispatch.meta.get("unbacked_bindings")
+    if bindings:  # paths into the outputs: every output after recv_x is two further on
+        sent.meta["unbacked_bindings"] = {sym: _shifted(path) for sym, path in bindings.items()}
+
+
+def _shifted(path: tuple) -> tuple:
+    from torch.utils._pytree import SequenceKey
+
+    first = path[0]
+    if isinstance(first, SequenceKey) and first.idx > 0:
+        return (SequenceKey(first.idx + 2), *path[1:])
+    return path

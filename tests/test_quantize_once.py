@@ -9,6 +9,7 @@ import moepass
 import moepass.ops.lowp  # noqa: F401  (registers the ops)
 from moepass.op_registry import rows_form
 from moepass.recipes import RECIPES
+from helpers import rank_pool  # noqa: F401  (fixture)
 
 BF16 = torch.bfloat16
 ROWS_RECIPES = ("fp8_rowwise", "blockwise")
@@ -187,3 +188,101 @@ def test_inductor_drops_the_bf16_rows_the_rows_form_does_not_read():
     calls = "torch.ops.moepass.fp8_rowwise_grouped_mm_{}.default("
     assert forward.count(calls.format("on_rows")) == 3 and calls.format("rows") not in forward
     assert torch.equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------- under expert parallelism (gloo, 2 ranks)
+
+
+def _ep_step(model, tokens, options):
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        out = torch.compile(model, backend="moepass", options=options)(tokens)
+        out.float().square().mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient for {missing}"
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, report.to_dict()
+
+
+def check_fp8_rows_are_dispatched(rank, world_size):
+    import torch.distributed as dist
+
+    from moepass.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("debug", n_layers=2, ep_group=dist.group.WORLD)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(rank))
+    base = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": "emulated", "fp8_rowwise.wgrad_bf16": False,
+            "deepep.backend": "reference", "inductor": False}
+    ref_out, ref_grads, _ = _ep_step(model, tokens, {**base, "passes": ["deepep", "grouped_mm"]})
+    out, grads, report = _ep_step(model, tokens, {**base, "passes": ["deepep", "grouped_mm", "quantize_once"]})
+    passes = {p["name"]: p for p in report["passes"]}
+    assert passes["deepep"]["replaced"] == 1
+    quantize_once = passes["quantize_once"]
+    assert [r["op"] for r in quantize_once["rewrites"]].count("moepass.ep_dispatch_quantized") == 1, quantize_once
+    assert quantize_once["skipped"] == []
+    ops = report["ops_after"]
+    assert ops["moepass.ep_dispatch_quantized"] == 1 and "moepass.ep_dispatch" not in ops
+    # the token rows are quantized once, before the dispatch; w2's input where it is
+    assert ops["moepass.fp8_rowwise_quantize_rows"] == 2
+    # forward and input gradients: the bits of quantizing the received rows (per-row scales commute with the
+    # exchange); the experts' FP8 wgrads read the dequantized rows (the same e4m3 values but below the normal range)
+    assert torch.equal(out, ref_out)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        if ".experts." in name:
+            assert ((grad.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3, name
+        else:
+            assert torch.equal(grad, ref), name
+
+
+def check_bf16_saved_rows_keep_the_bf16_dispatch(rank, world_size):
+    import torch.distributed as dist
+
+    from moepass.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("debug", n_layers=2, ep_group=dist.group.WORLD)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(rank))
+    options = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": "emulated", "deepep.backend": "reference",
+               "inductor": False, "passes": ["deepep", "grouped_mm", "quantize_once"],
+               "quantize_once.saved_rows": "bf16"}
+    _, _, report = _ep_step(model, tokens, options)
+    skipped = {p["name"]: p for p in report["passes"]}["quantize_once"]["skipped"]
+    assert len(skipped) == 1 and "dispatch sends BF16" in skipped[0]["reason"], skipped
+    assert "quantize_once.saved_rows='bf16'" in skipped[0]["reason"]
+    assert report["ops_after"]["moepass.ep_dispatch"] == 1
+
+
+def test_fp8_rows_cross_the_ep_dispatch(rank_pool):
+    rank_pool(2).run(check_fp8_rows_are_dispatched, timeout_s=300)
+
+
+def test_bf16_saved_rows_keep_the_bf16_dispatch_with_the_reason(rank_pool):
+    rank_pool(2).run(check_bf16_saved_rows_keep_the_bf16_dispatch, timeout_s=300)
+
+
+def check_fp8_dispatch_through_inductor(rank, world_size):
+    import torch.distributed as dist
+
+    from moepass.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("debug", n_layers=2, ep_group=dist.group.WORLD)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(rank))
+    base = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": "emulated", "fp8_rowwise.wgrad_bf16": False,
+            "deepep.backend": "reference"}
+    ref_out, ref_grads, _ = _ep_step(model, tokens, {**base, "passes": ["deepep", "grouped_mm"]})
+    out, grads, report = _ep_step(model, tokens, {**base, "passes": ["deepep", "grouped_mm", "quantize_once"]})
+    assert report["ops_after"]["moepass.ep_dispatch_quantized"] == 1
+    forward = [c["ops"] for c in report["compiled_graphs"] if c["kind"] == "forward"]
+    assert forward and all("moepass.ep_dispatch" not in ops for ops in forward), forward
+    assert torch.equal(out, ref_out)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert ((grad.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3, name
+
+
+@pytest.mark.extended  # ~2 min on 2 cores; CI runs the same rewrite without Inductor above
+def test_fp8_dispatch_compiles_with_inductor(rank_pool):
+    rank_pool(2).run(check_fp8_dispatch_through_inductor, timeout_s=580)

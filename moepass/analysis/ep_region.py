@@ -428,9 +428,9 @@ def _computable_from(node: fx.Node, leaves: set[fx.Node]) -> bool:
 
 
 def _reads_metadata(user: fx.Node, node: fx.Node) -> bool:
-    from .evaluate import _reads_only_metadata
+    from .evaluate import reads_only_metadata
 
-    return _reads_only_metadata(user, node) or tensor_meta(user) is None
+    return reads_only_metadata(user, node) or tensor_meta(user) is None
 
 
 def _reaches_avoiding(start: fx.Node, targets: set[fx.Node], avoid: fx.Node, within: set[fx.Node]) -> bool:

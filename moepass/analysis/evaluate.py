@@ -34,7 +34,7 @@ class NotEvaluable(Exception):
 _LIKE_OTHER_METHODS = {"reshape_as", "view_as", "expand_as", "type_as"}  # read the *other* tensor's metadata
 
 
-def _reads_only_metadata(user: fx.Node, producer: fx.Node) -> bool:
+def reads_only_metadata(user: fx.Node, producer: fx.Node) -> bool:
     """`user` needs `producer` only for its shape, dtype and device."""
     if user.op == "call_method" and user.target in _LIKE_OTHER_METHODS and len(user.args) == 2 \
             and user.args[1] is producer and user.args[0] is not producer:
@@ -85,7 +85,7 @@ def backward_slice(outputs: list[fx.Node], leaves: Iterable[fx.Node], forbidden:
             raise NotEvaluable(why)
         needed.add(n)
         for a in n.all_input_nodes:
-            if _reads_only_metadata(n, a) and concrete_shape(a, symbols) is not None:
+            if reads_only_metadata(n, a) and concrete_shape(a, symbols) is not None:
                 shape_only.add(a)
             else:
                 frontier.append(a)

@@ -11,6 +11,8 @@ SymInts, and every later size is read off the handle's tensors, so one graph cov
            num_recv_tokens_per_expert[E/W] int64, handle: Tensor[]
     ep_combine(y[R,H], handle, group_size, group_name, backend) -> [N,H]   (fp32 sum in rank order, no weights)
     ep_dispatch_cached(x[N,H], handle, ...) -> [R,H]                     (combine's backward; reuses the layout)
+    ep_dispatch_quantized(x, x_q[N,H] fp8, x_scale[N,S] f32, topk_idx, ...) -> recv_x (a gradient carrier, no data),
+        recv_x_q[R,H], recv_x_scale[R,S], and the rest as ep_dispatch  (FP8 rows sent; reference backend only)
     ep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, ...) -> (grad_x, grad_topk_weights)
 """
 
@@ -118,6 +120,50 @@ def _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size, group_
     )
 
 
+@torch.library.custom_op("moepass::ep_dispatch_quantized", mutates_args=())
+def ep_dispatch_quantized(
+    x: Tensor, x_q: Tensor, x_scale: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+    group_size: int, group_name: str, backend: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """ep_dispatch of x's FP8 rows and their scales instead of x (the quantize_once pass): half the bytes sent.
+
+    Returns (recv_x, recv_x_q, recv_x_scale, recv_topk_idx, recv_topk_weights, counts, handle). recv_x is the received
+    rows' gradient carrier and holds no data: every reader of it reads (recv_x_q, recv_x_scale) instead
+    (moepass::<recipe>_grouped_mm_rows with FP8 rows saved), and its gradient goes back in BF16 as ep_dispatch's."""
+    _check_quantized_payload(x, x_q, x_scale, backend)
+    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
+    group = _group(group_name, group_size)
+    # gloo and NCCL move float8 as bytes
+    recv_q, recv_idx, recv_w, counts, handle = reference.reference_dispatch(
+        x_q.view(torch.uint8), topk_idx, topk_weights, num_experts, group)
+    recv_scale = reference.reference_dispatch_cached(x_scale, handle, group)
+    recv_x = x.new_empty((recv_q.shape[0], x.shape[1]))
+    return recv_x, recv_q.view(x_q.dtype), recv_scale, recv_idx, recv_w, counts, handle
+
+
+def _check_quantized_payload(x, x_q, x_scale, backend) -> None:
+    if backend != "reference":
+        raise ValueError(f"ep_dispatch_quantized: backend {backend!r} does not send FP8 rows yet (the reference "
+                         "backend does); use moepass::ep_dispatch")
+    if tuple(x_q.shape) != tuple(x.shape) or x_q.element_size() != 1:
+        raise ValueError(f"ep_dispatch_quantized: x_q must be 1-byte rows shaped like x {tuple(x.shape)}; got "
+                         f"{x_q.dtype} {tuple(x_q.shape)}")
+    if x_scale.dim() != 2 or x_scale.shape[0] != x.shape[0] or x_scale.dtype != torch.float32:
+        raise ValueError(f"ep_dispatch_quantized: x_scale must be float32 [{x.shape[0]}, S]; got {x_scale.dtype} "
+                         f"{tuple(x_scale.shape)}")
+
+
+@ep_dispatch_quantized.register_fake
+def _ep_dispatch_quantized_fake(x, x_q, x_scale, topk_idx, topk_weights, num_experts, group_size, group_name,
+                                backend):
+    _check_quantized_payload(x, x_q, x_scale, backend)
+    recv_x, recv_idx, recv_w, counts, handle = _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size,
+                                                                 group_name, backend)
+    num_recv = recv_x.shape[0]
+    return (recv_x, x_q.new_empty((num_recv, x_q.shape[1])), x_scale.new_empty((num_recv, x_scale.shape[1])),
+            recv_idx, recv_w, counts, handle)
+
+
 @torch.library.custom_op("moepass::ep_combine", mutates_args=())
 def ep_combine(y: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str) -> Tensor:
     _check_backend(backend)
@@ -186,19 +232,34 @@ def _dispatch_setup_context(ctx, inputs, output):
 
 
 def _dispatch_backward(ctx, grad_recv_x, _grad_topk_idx, grad_recv_topk_weights, _grad_counts, _grad_handle):
+    grad_x, grad_topk_weights = _dispatch_grads(ctx, grad_recv_x, grad_recv_topk_weights, ctx.needs_input_grad[2])
+    return grad_x, None, grad_topk_weights, None, None, None, None
+
+
+def _dispatch_grads(ctx, grad_recv_x, grad_recv_topk_weights, weights_need_grad: bool):
+    """(grad_x, grad_topk_weights or None): the received rows' and weights' gradients sent back, in BF16 / fp32."""
     recv_topk_idx, *handle = ctx.saved_tensors
     if grad_recv_x is None:
         grad_recv_x = recv_topk_idx.new_zeros((recv_topk_idx.shape[0], ctx.hidden), dtype=ctx.x_dtype)
-    if not ctx.needs_input_grad[2]:
-        return ep_combine(grad_recv_x.contiguous(), handle, *ctx.group), None, None, None, None, None, None
+    if not weights_need_grad:
+        return ep_combine(grad_recv_x.contiguous(), handle, *ctx.group), None
     if grad_recv_topk_weights is None:
         grad_recv_topk_weights = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=recv_topk_idx.device)
     # Forward wrote a constant 0.0 where the expert is not local, so no gradient flows from there.
     grad_recv_topk_weights = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights, 0.0).contiguous()
-    grad_x, grad_topk_weights = ep_dispatch_backward(
-        grad_recv_x.contiguous(), grad_recv_topk_weights, handle, *ctx.group
-    )
-    return grad_x, None, grad_topk_weights, None, None, None, None
+    return ep_dispatch_backward(grad_recv_x.contiguous(), grad_recv_topk_weights, handle, *ctx.group)
+
+
+def _dispatch_quantized_setup_context(ctx, inputs, output):
+    x, _, _, topk_idx, topk_weights, *rest = inputs
+    recv_x, _, _, *recv = output
+    _dispatch_setup_context(ctx, (x, topk_idx, topk_weights, *rest), (recv_x, *recv))
+
+
+def _dispatch_quantized_backward(ctx, grad_recv_x, _grad_q, _grad_scale, _grad_topk_idx, grad_recv_topk_weights,
+                                 _grad_counts, _grad_handle):
+    grad_x, grad_topk_weights = _dispatch_grads(ctx, grad_recv_x, grad_recv_topk_weights, ctx.needs_input_grad[4])
+    return grad_x, None, None, None, grad_topk_weights, None, None, None, None
 
 
 def _save_handle(ctx, inputs, output):
@@ -217,9 +278,11 @@ def _dispatch_cached_backward(ctx, grad):
     return ep_combine(grad.contiguous(), handle, *ctx.group), [None] * len(handle), None, None, None
 
 
-for _exchange in (ep_dispatch, ep_combine, ep_dispatch_cached, ep_dispatch_backward):  # never recomputed under AC
+for _exchange in (ep_dispatch, ep_dispatch_quantized, ep_combine, ep_dispatch_cached,
+                  ep_dispatch_backward):  # never recomputed under AC
     register_exchange(_exchange._opoverload)
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+ep_dispatch_quantized.register_autograd(_dispatch_quantized_backward, setup_context=_dispatch_quantized_setup_context)
 ep_combine.register_autograd(_combine_backward, setup_context=_save_handle)
 ep_dispatch_cached.register_autograd(_dispatch_cached_backward, setup_context=_save_handle)
