@@ -286,3 +286,32 @@ def check_fp8_dispatch_through_inductor(rank, world_size):
 @pytest.mark.extended  # ~2 min on 2 cores; CI runs the same rewrite without Inductor above
 def test_fp8_dispatch_compiles_with_inductor(rank_pool):
     rank_pool(2).run(check_fp8_dispatch_through_inductor, timeout_s=580)
+
+
+# ---------------------------------------------------------------- on an sm_90 GPU (skipped elsewhere)
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the FP8 rowwise and blockwise grouped kernels run on sm_90")
+@pytest.mark.parametrize("name", ROWS_RECIPES)
+def test_rows_form_on_gpu_is_bit_equal_eager_and_through_the_backend(name):
+    """Kernel "scaled_mm": the rows form's forward and dgrad equal the grouped op's, eagerly and compiled by the
+    backend (Inductor fusing the quantization, the GEMM reading quantized rows)."""
+    recipe = RECIPES[name]
+    form = rows_form(recipe.op("grouped_mm"))
+    x, w_t, idx, offs, grad_out = (t.cuda() if t.dtype != BF16 else t.detach().cuda().requires_grad_(t.requires_grad)
+                                   for t in _problem(5))
+    ref, ref_gx = _grads(lambda: recipe.op("grouped_mm")(x[idx], w_t, offs, False, "scaled_mm"), grad_out, x)
+    q, scale = form.quantize(x.detach(), "scaled_mm")
+    out, gx = _grads(lambda: form.grouped_mm(x[idx], q[idx], scale[idx], w_t, offs, True, False, "scaled_mm"),
+                     grad_out, x)
+    assert torch.equal(out, ref) and torch.equal(gx, ref_gx)
+    outs = []
+    for passes in (["grouped_mm"], ["grouped_mm", "quantize_once"]):
+        torch._dynamo.reset()
+        model = Experts("getitem").cuda()
+        options = {"recipe": name, f"{name}.kernel": "scaled_mm", "passes": passes}
+        outs.append(torch.compile(model, backend="moepass", options=options)(x.detach(), idx, offs))
+    assert torch.equal(outs[0], outs[1])

@@ -1,0 +1,87 @@
+"""Bytes a training step keeps for its backward, per variant, measured side by side on the same model and batch.
+
+    python examples/saved_activations.py --flavor 16B --layers 2 --batch 1 --seq 512 \
+        --options '{"recipe": "fp8_rowwise"}' --out examples/results/saved_activations_16B_cpu.json
+
+Compiles the model once per variant (BF16 Inductor; moepass with its default passes; moepass with quantize_once,
+which keeps the experts' input rows in FP8) and runs one training forward under torch.autograd.graph.saved_tensors_hooks,
+summing the distinct storages the compiled forward saves for the backward (parameters excluded: every variant keeps
+them). This is the activation memory the backward holds, not a device's peak (allocator, workspaces, the optimizer):
+it runs on CPU too, where the FP8 recipes run emulated with the GPU kernels' quantization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+
+from moepass.harness.model_spec import ModelSpec
+from moepass.harness.provenance import provenance
+
+VARIANTS = {"inductor": None, "moepass": {}, "moepass+quantize_once": {
+    "passes": ["deepep", "grouped_mm", "quantize_once", "linear"]}}
+
+
+def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> dict:
+    """{total, by dtype} bytes of the distinct non-parameter storages saved for the backward by one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, tuple[int, str]] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = (storage.nbytes(), str(t.dtype).removeprefix("torch."))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(tokens)  # the forward saves what its backward will read; no backward needs to run
+    del out
+    by_dtype: dict[str, int] = {}
+    for nbytes, dtype in storages.values():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    return {"total": sum(by_dtype.values()), "by_dtype": dict(sorted(by_dtype.items()))}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flavor", default="debug")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--model-overrides", default="{}", help="JSON dict of config overrides")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--options", default="{}", help="backend options for every moepass variant, as JSON")
+    ap.add_argument("--out", help="write the result here (JSON)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    overrides = json.loads(args.model_overrides)
+    if args.layers:
+        overrides["n_layers"] = args.layers
+    spec = ModelSpec(args.flavor, overrides)
+    tokens = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    result = {**provenance("moepass.saved_activations/1", device, 1),
+              "flavor": args.flavor, "overrides": overrides, "batch": args.batch, "seq": args.seq, "variants": {}}
+    for name, own in VARIANTS.items():
+        torch._dynamo.reset()
+        model = spec.build(0, device)
+        options = None if own is None else {**json.loads(args.options), **own}
+        compiled = torch.compile(model, backend="inductor" if own is None else "moepass",
+                                 **({} if options is None else {"options": options}))
+        result["variants"][name] = measured = saved_bytes(compiled, tokens)
+        print(f"{name:>24}: {measured['total'] / 2**20:9.1f} MiB saved for the backward  {measured['by_dtype']}",
+              flush=True)
+    base = result["variants"]["inductor"]["total"]
+    for name, measured in result["variants"].items():
+        measured["vs_inductor"] = round(measured["total"] / base, 4)
+    print("  vs inductor: " + ", ".join(f"{n} {m['vs_inductor']:.3f}x" for n, m in result["variants"].items()))
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
