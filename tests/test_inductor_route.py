@@ -43,6 +43,13 @@ needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is 
 
 
 @pytest.fixture(autouse=True)
+def vectorized_cpu_code():
+    """Inductor's CPU FlexAttention template needs SIMD code, which tests/conftest.py turns off for compile time."""
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):  # None: Inductor probes the CPU
+        yield
+
+
+@pytest.fixture(autouse=True)
 def fresh_route():
     """Every test starts and ends with the route removed and Dynamo's caches empty."""
     inductor_route.uninstall()
