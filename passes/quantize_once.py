@@ -83,24 +83,25 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
                         SkipCode.NO_ROWS_FORM, f"{node.target.name()} has no rows form: its kernels quantize x "
                                                "themselves"))
                 else:
-                    _rewrite_or_leave(scope.graph, node, form, config, record, quantized)
+                    _or_leave(scope.graph, node, record, _rewrite, scope.graph, node, form, config, record, quantized)
+                    alive = set(scope.graph.nodes)  # after a failed rewrite: forget the nodes it took back
+                    for key in [k for k, (q, scale, _) in quantized.items() if q not in alive or scale not in alive]:
+                        del quantized[key]
             for quant in [n for n in scope.graph.nodes if n.op == "call_function" and is_quantize_rows(n.target)]:
-                _move_before_dispatch(scope.graph, quant, record)
+                _or_leave(scope.graph, quant, record, _move_before_dispatch, scope.graph, quant, record)
 
 
-def _rewrite_or_leave(graph: fx.Graph, node: fx.Node, form, config, record, quantized: dict) -> None:
-    """_rewrite, or on an unexpected error the graph as it was (nodes it added removed) and the error reported."""
+def _or_leave(graph: fx.Graph, node: fx.Node, record, rewrite, *args) -> None:
+    """rewrite(*args), or on an unexpected error the nodes it added and nobody reads removed and the error reported
+    against `node` (its checks run before it changes what existing nodes read)."""
     before = set(graph.nodes)
     try:
-        _rewrite(graph, node, form, config, record, quantized)
+        rewrite(*args)
     except Exception as error:  # a moepass problem never fails the user's compile
         log.warning("quantize_once: left %s alone: %r", node.name, error, exc_info=True)
         for added in reversed([n for n in graph.nodes if n not in before]):
             if not added.users:
                 graph.erase_node(added)
-        alive = set(graph.nodes)
-        for key in [k for k, (q, scale, _) in quantized.items() if q not in alive or scale not in alive]:
-            del quantized[key]
         record.skip(node, module_path(node), Reason(SkipCode.REWRITE_ERROR, f"could not rewrite: {error!r}"))
 
 

@@ -171,6 +171,31 @@ def test_pass_leaves_a_recipe_without_rows_form_alone_with_the_reason():
     assert len(skipped) == 3 and all("no rows form" in s["reason"] for s in skipped), skipped
 
 
+def test_an_unexpected_error_leaves_the_gemm_as_grouped_mm_left_it(monkeypatch):
+    """A moepass bug never fails the user's compile: the pass reports it and the graph runs unchanged."""
+    from moepass.passes import quantize_once
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    x, _, idx, offs, _ = _problem(6)
+    options = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": "emulated", "inductor": False}
+    torch._dynamo.reset()
+    want = torch.compile(Experts("getitem"), backend="moepass", options={**options, "passes": ["grouped_mm"]})(
+        x, idx, offs)
+    monkeypatch.setattr(quantize_once, "_quantized_rows", broken)
+    torch._dynamo.reset()
+    with moepass.collecting() as report:
+        got = torch.compile(Experts("getitem"), backend="moepass",
+                            options={**options, "passes": ["grouped_mm", "quantize_once"]})(x, idx, offs)
+    d = report.to_dict()
+    skipped = {p["name"]: p for p in d["passes"]}["quantize_once"]["skipped"]
+    assert len(skipped) == 3 and all("could not rewrite: RuntimeError('injected')" in s["reason"] for s in skipped)
+    assert "moepass.fp8_rowwise_quantize_rows" not in d["ops_after"]
+    assert d["ops_after"]["moepass.fp8_rowwise_grouped_mm"] == 3
+    assert torch.equal(got, want)
+
+
 def test_inductor_drops_the_bf16_rows_the_rows_form_does_not_read():
     """Through the backend's decompositions the forward runs the GEMM on (q, scale) alone
     (moepass::<recipe>_grouped_mm_on_rows), so no BF16 gathered rows are computed for it, with grouped_mm's numbers."""

@@ -106,7 +106,8 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
     # The same GEMM without x, no autograd: what grouped_mm_rows decomposes into below autograd
     # (rows_decompositions), so x (a BF16 gather, or under EP a carrier) is dead in compiled forward graphs.
     def check_gemm(x_q, x_scale, w_t, offs, *gemm_args):
-        like = x_q.new_empty(x_q.shape, dtype=torch.bfloat16)
+        # x's shape, dtype and device for the shared checks, without allocating rows on every call
+        like = torch.empty((), dtype=torch.bfloat16, device=x_q.device).expand(x_q.shape)
         check_grouped(recipe, gemms, gemm_name, "x", like, w_t, offs, gemm_args)
         _check_quantized(gemm_name, rows, x_q, x_scale, like)
 
