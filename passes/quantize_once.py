@@ -69,6 +69,24 @@ def gathered_from(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return source, index
 
 
+# value-preserving steps real models put between the gather and the GEMM: torchtitan's `routed_input.bfloat16()` and
+# transformers' `.to(torch.bfloat16)` on rows that are BF16 already, `.contiguous()`
+_IDENTITIES = {"to", "bfloat16", "type_as", "contiguous", "clone", torch.Tensor.contiguous, torch.clone}
+
+
+def same_rows_as(node: fx.Node) -> fx.Node | None:
+    """The input of `node` when `node` is a copy or a same-dtype cast of it (the same values, shape and dtype)."""
+    if node.op not in ("call_function", "call_method") or node.target not in _IDENTITIES or not node.args:
+        return None
+    source, out = node.args[0], tensor_meta(node)
+    src = tensor_meta(source)
+    if src is None or out is None or src.dtype != out.dtype or tuple(src.shape) != tuple(out.shape):
+        return None
+    if node.target == "to" and any(not isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return None  # a device move or a memory-format change: not these rows' bytes, leave it
+    return source
+
+
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     for scope in graph_scopes(gm):
         quantized = {}  # (gathered node, settings, kernel) -> its (q, scale) nodes: w1 and w3 share them
@@ -133,10 +151,15 @@ def _rewrite(graph: fx.Graph, node: fx.Node, form, config, record, quantized: di
 
 def _quantized_rows(emit: Emitter, x: fx.Node, form, settings: tuple, kernel: str, quantized: dict):
     """(q, scale) nodes of x's rows, and how many gathers they were moved before: quantize the source of x's chain of
-    row gathers, then replay each gather on q and scale (nodes shared with every GEMM reading the same rows)."""
+    row gathers (and no-op casts), then replay each gather on q and scale (nodes shared with every GEMM reading the
+    same rows)."""
     key = (x, settings, kernel)
     if key in quantized:
         return quantized[key]
+    same = same_rows_as(x)
+    if same is not None:  # a no-op cast: its rows' quantization is its input's
+        result = quantized[key] = _quantized_rows(emit, same, form, settings, kernel, quantized)
+        return result
     found = gathered_from(x)
     if found is None:
         source = emit("detach", x, method=True)  # a quantization has no gradient: the GEMM's x carries it
@@ -201,7 +224,9 @@ def _bf16_readers(rows: fx.Node, detach: fx.Node) -> str | None:
         if user is detach or reads_only_metadata(user, rows):  # zeros_like(rows), rows.size(0): no values read
             continue
         found = gathered_from(user)
-        if found is not None and found[0] is rows and rows not in user.args[1:] and rows not in user.kwargs.values():
+        passes_rows = (found is not None and found[0] is rows and rows not in user.args[1:]
+                       and rows not in user.kwargs.values()) or same_rows_as(user) is rows
+        if passes_rows:
             problem = _bf16_readers(user, detach)
             if problem:
                 return problem

@@ -340,3 +340,63 @@ def test_rows_form_on_gpu_is_bit_equal_eager_and_through_the_backend(name):
         options = {"recipe": name, f"{name}.kernel": "scaled_mm", "passes": passes}
         outs.append(torch.compile(model, backend="moepass", options=options)(x.detach(), idx, offs))
     assert torch.equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------- models this project did not write
+
+
+def _torchtitan_debugmodel():
+    pytest.importorskip("torchtitan")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12):
+        pytest.skip("torchtitan 0.3.0 needs torch >= 2.12")
+    from realstack.titan_configs import tiny_debugmodel
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.tools.utils import set_default_dtype
+
+    config = tiny_debugmodel(n_layers=2)
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    with torch.device("cpu"), set_default_dtype(BF16):
+        model = config.build()
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
+    return model, lambda m: m(tokens), 3
+
+
+def _hf_deepseek_v3():
+    pytest.importorskip("transformers")
+    from test_hf_families import build
+
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    return build("DeepseekV3"), lambda m: m(ids).logits, 2
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`:UserWarning")
+@pytest.mark.parametrize("make", [_torchtitan_debugmodel, _hf_deepseek_v3], ids=["torchtitan", "transformers"])
+def test_unmodified_models_get_their_token_rows_quantized_before_the_gather(make):
+    """torchtitan's DeepSeek-V3 (`x_TD[idx]`, then `.bfloat16()`) and transformers' (`hidden_states[idx]`, then
+    `.to(torch.bfloat16)`): the gather is found through the no-op casts; with BF16 rows kept for the wgrad, every
+    number is grouped_mm's, bit for bit."""
+    import copy
+
+    model, call, gemms = make()
+    base = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": "emulated", "inductor": False,
+            "quantize_once.saved_rows": "bf16"}
+    runs = []
+    for passes in (["grouped_mm"], ["grouped_mm", "quantize_once"]):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        with moepass.collecting() as report:
+            out = call(torch.compile(m, backend="moepass", options={**base, "passes": passes}))
+            out.float().square().mean().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None},
+                     report.to_dict()))
+    (ref, ref_grads, _), (out, grads, report) = runs
+    rewrites = {p["name"]: p for p in report["passes"]}["quantize_once"]["rewrites"]
+    assert len(rewrites) == gemms, rewrites
+    assert sum("quantized before 1 gather(s)" in r["detail"] for r in rewrites) == gemms - 1, rewrites  # not w2
+    assert report["ops_after"]["moepass.fp8_rowwise_quantize_rows"] == 2  # the token rows once; w2's input
+    assert torch.equal(out, ref) and grads.keys() == ref_grads.keys()
+    assert [n for n in grads if not torch.equal(grads[n], ref_grads[n])] == []
