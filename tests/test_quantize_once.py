@@ -400,3 +400,32 @@ def test_unmodified_models_get_their_token_rows_quantized_before_the_gather(make
     assert report["ops_after"]["moepass.fp8_rowwise_quantize_rows"] == 2  # the token rows once; w2's input
     assert torch.equal(out, ref) and grads.keys() == ref_grads.keys()
     assert [n for n in grads if not torch.equal(grads[n], ref_grads[n])] == []
+
+
+class CheckpointedExperts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Experts("getitem")
+
+    def forward(self, x, idx, offs):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, idx, offs, use_reentrant=False)
+
+
+def test_an_activation_checkpointed_block_is_rewritten_inside_its_body():
+    x, _, idx, offs, _ = _problem(7)
+    base = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": "emulated", "fp8_rowwise.wgrad_bf16": False,
+            "inductor": False}
+    runs = []
+    for passes in (["grouped_mm"], ["grouped_mm", "quantize_once"]):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = CheckpointedExperts()
+        x.grad = None
+        with moepass.collecting() as report:
+            out = torch.compile(model, backend="moepass", options={**base, "passes": passes})(x, idx, offs)
+            out.float().square().sum().backward()
+        runs.append((out.detach(), x.grad.clone(), report.to_dict()))
+    (ref, ref_gx, _), (out, gx, report) = runs
+    rewrites = {p["name"]: p for p in report["passes"]}["quantize_once"]["rewrites"]
+    assert len(rewrites) == 3 and all(r["node"].startswith("wrap_body") for r in rewrites), rewrites
+    assert torch.equal(out, ref) and torch.equal(gx, ref_gx)
