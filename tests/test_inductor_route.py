@@ -44,9 +44,25 @@ needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is 
 
 @pytest.fixture(autouse=True)
 def vectorized_cpu_code():
-    """Inductor's CPU FlexAttention template needs SIMD code, which tests/conftest.py turns off for compile time."""
+    """Inductor's CPU FlexAttention template needs SIMD code, which tests/conftest.py turns off for compile time.
+    Inductor caches its answer per process (functools.cache on the ISA probes): forget it on the way in and out."""
     with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):  # None: Inductor probes the CPU
+        _forget_vec_isa()
         yield
+    _forget_vec_isa()
+
+
+def _forget_vec_isa():
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    classes = [cpu_vec_isa.VecISA]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        for attr in vars(cls).values():
+            if hasattr(attr, "cache_clear"):
+                attr.cache_clear()
 
 
 @pytest.fixture(autouse=True)
