@@ -23,7 +23,7 @@ from .output import error_summary, say, write_outputs
 from .parity import compare, loss_gaps
 from .provenance import provenance
 from .train import optimizer_name, train, with_loss
-from .variants import BASELINE, Variant, resolve_variants
+from .variants import BASELINE, Variant, parse_custom_variant, resolve_variants
 
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
 NUDGED = f"{BASELINE}-nudged"  # --nudged-baseline: the baseline from weights moved by an ulp or two
@@ -87,9 +87,13 @@ def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, st
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, steps=300, batch=4, seq=128)
-    p.add_argument("--variants", default="moepass",
+    p.add_argument("--variants", default=None,
                    help="comma list of variants compared against the BF16 baseline 'inductor' "
-                        "(moepass = all passes; or a single pass name) (default: moepass)")
+                        "(moepass = all passes; or a single pass name) (default: moepass, or none with --variant)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                   help="an extra moepass variant: the default passes with --options updated by JSON (repeatable), "
+                        "e.g. --variant 'blockwise={\"recipe\": \"blockwise\"}': several recipes against one "
+                        "baseline (and one nudged floor) in one run")
     p.add_argument("--tolerance", type=float, default=0.01, help="largest relative final-loss gap that passes")
     p.add_argument("--window", type=int, default=20, help="moving-average window, steps")
     p.add_argument("--val-batches", type=int, default=8, help="held-out batches for the final validation loss")
@@ -107,8 +111,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_converge(args) -> int:
-    names = [n.strip() for n in args.variants.split(",") if n.strip() and n.strip() != BASELINE]
-    variants = resolve_variants([BASELINE, *names], json.loads(args.options) if args.options else None)
+    custom = dict(parse_custom_variant(spec) for spec in args.variant)
+    if len(custom) != len(args.variant):
+        raise SystemExit(f"moepass converge: a --variant label is given twice in {args.variant}")
+    # with only --variant given, the default 'moepass' variant is not trained unless --variants names it
+    listed = args.variants if args.variants is not None else ("" if custom else "moepass")
+    names = [n.strip() for n in listed.split(",") if n.strip() and n.strip() != BASELINE]
+    variants = resolve_variants([BASELINE, *names], json.loads(args.options) if args.options else None, custom)
+    names += list(custom)
     if args.window < 1 or args.steps < 1:
         raise SystemExit("moepass converge: --steps and --window must be at least 1")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -139,6 +149,8 @@ def cmd_converge(args) -> int:
     for name, (asked, key, against) in floors.items():
         if asked and runs[name]["status"] == "ok" and runs[BASELINE]["status"] == "ok":
             runs[name].update(loss_gaps(runs[BASELINE]["loss"], runs[name]["loss"], args.window))
+            runs[name]["val_loss_gap_rel"] = abs(runs[name]["val_loss"] - runs[BASELINE]["val_loss"]) / \
+                runs[BASELINE]["val_loss"]
             verdict[key] = runs[name]["final_loss_gap_rel"]
             notes.append(f"the baseline against {against}: {verdict[key] * 100:.3f}%")
     say("\n" + summary(runs, args))
@@ -164,14 +176,16 @@ def summary(runs: dict, args) -> str:
     every = max(1, steps // 10)
     for s in [*range(0, steps, every), *([steps - 1] if (steps - 1) % every else [])]:
         lines.append(f"{s + 1:>4}  " + "".join(f"{r['loss'][s]:>18.4f}" for r in ok.values()))
-    lines.append(f"\n{'variant':<18} {'final loss':>11} {'val loss':>10} {'final gap':>10} {'max window gap':>15}")
+    lines.append(f"\n{'variant':<18} {'final loss':>11} {'val loss':>10} {'final gap':>10} {'val gap':>8} "
+                 f"{'max window gap':>15}")
     for n, r in runs.items():
         if r["status"] != "ok":
             lines.append(f"{n:<18} {'n/a' if r['status'] == 'unavailable' else 'FAILED'}: {error_summary(r['error'])}")
             continue
         gap = "-" if "final_loss_gap_rel" not in r else f"{r['final_loss_gap_rel'] * 100:.3f}%"
+        val = "-" if "val_loss_gap_rel" not in r else f"{r['val_loss_gap_rel'] * 100:.3f}%"
         win = "-" if "max_window_gap_rel" not in r else f"{r['max_window_gap_rel'] * 100:.3f}%"
-        lines.append(f"{n:<18} {r['final_loss']:>11.4f} {r['val_loss']:>10.4f} {gap:>10} {win:>15}")
+        lines.append(f"{n:<18} {r['final_loss']:>11.4f} {r['val_loss']:>10.4f} {gap:>10} {val:>8} {win:>15}")
     lines.append(f"final loss = mean training loss over the last {min(args.window, steps)} steps "
                  "(the same batches in every run)")
     return "\n".join(lines)
