@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from typing import NamedTuple
 
 from torch._dynamo.utils import counters
 
@@ -21,18 +22,36 @@ from .report import GraphOrigin, GraphRecord, Report
 log = logging.getLogger(__name__)
 
 
-def dynamo_counts() -> tuple[int, int]:
-    """(graph breaks Dynamo split a frame at, frames it gave up on and ran in eager) so far in this process.
-    A graph break it cannot split at (inside an activation-checkpointed layer, in a loop) skips the frame: its
-    GEMMs never reach moepass and stay BF16, and `counters["graph_break"]` does not count it."""
-    frames = counters["frames"]
-    return sum(counters["graph_break"].values()), frames["total"] - frames["ok"]
+class DynamoCounts(NamedTuple):
+    """Dynamo's counts at one reading. A graph break it cannot split at (inside an activation-checkpointed
+    layer, in a loop) skips the frame: its GEMMs never reach moepass and stay BF16, and is counted as a frame run
+    eagerly, not as a graph break."""
+    graph_breaks: int  # graph breaks Dynamo split a frame at, so far in this process
+    frames_eager: int  # frames it gave up on and ran in eager
+    read_from: tuple  # the Counters each was read from: `counters.clear()` (torch's own tests do it) replaces them
+
+
+def dynamo_counts() -> DynamoCounts:
+    frames, breaks = counters["frames"], counters["graph_break"]
+    return DynamoCounts(sum(breaks.values()), frames["total"] - frames["ok"], (breaks, frames))
+
+
+def counted_since(before: DynamoCounts) -> tuple[int, int, DynamoCounts]:
+    """(graph breaks, frames run eagerly) Dynamo counted since the reading `before`, and the reading now. After a
+    clear of its counters in between, what it counted since the clear (the rest is lost), never a negative count.
+    Each count is judged on its own: mid-compile, the frames count holds the frame being compiled for a while."""
+    now = dynamo_counts()
+    since = [n if counter is not was or n < b else n - b
+             for n, b, counter, was in zip(now[:2], before[:2], now.read_from, before.read_from)]
+    return since[0], since[1], now
 
 
 _stack: list[Report] = []
 _run: Report | None = None  # the run's report
 _last: Report | None = None  # what last_report() returns outside collecting(): the run, or a collecting() report
-_breaks_at_start = dynamo_counts()[0]  # the run begins at import, and again at each torch._dynamo.reset()
+# the run's graph breaks: it begins at import, and again at each torch._dynamo.reset(); counted reading by
+# reading (`_seen` is the last), so that a clear of Dynamo's counters in between loses no more than it must
+_run_breaks, _seen = 0, dynamo_counts()
 
 
 def current_report(config, compile_call=None) -> Report:
@@ -89,8 +108,8 @@ def save_graph(report: Report, graph: GraphRecord) -> None:
 
 def forget() -> None:
     """End the run (Dynamo's reset calls this: what it described was compiled away)."""
-    global _run, _last, _breaks_at_start
-    _run, _last, _breaks_at_start = None, None, dynamo_counts()[0]
+    global _run, _last, _run_breaks, _seen
+    _run, _last, _run_breaks, _seen = None, None, 0, dynamo_counts()
 
 
 class _RunEnd:
@@ -116,7 +135,10 @@ def _end_at_dynamo_reset() -> None:
 def _counted(run: Report) -> Report:
     """The run with the graph breaks Dynamo split frames at since it began (any backend's). Frames run eagerly
     are counted by `collecting()` only: mid-compile, Dynamo's count holds the frame being compiled."""
-    run.graph_breaks = dynamo_counts()[0] - _breaks_at_start
+    global _run_breaks, _seen
+    breaks, _, _seen = counted_since(_seen)
+    _run_breaks += breaks
+    run.graph_breaks = _run_breaks
     return run
 
 
@@ -147,13 +169,13 @@ def collecting(report: Report | None = None):
     """Gather the records of every graph compiled by moepass inside the block, and Dynamo's graph breaks."""
     report = report if report is not None else Report()
     _stack.append(report)
-    breaks, eager = dynamo_counts()
+    before = dynamo_counts()
     global _last
     try:
         yield report
     finally:
         _stack.pop()
-        breaks_now, eager_now = dynamo_counts()
-        report.graph_breaks += breaks_now - breaks
-        report.frames_eager += eager_now - eager
+        breaks, eager, _ = counted_since(before)
+        report.graph_breaks += breaks
+        report.frames_eager += eager
         _last = report

@@ -107,6 +107,33 @@ def test_collecting_counts_graph_breaks():
     assert "1 graph break(s)" in report.summary() and "fell back to eager" not in report.summary()
 
 
+def test_graph_breaks_survive_a_clear_of_dynamos_counters():
+    """Test suites clear Dynamo's counters (torch's own do): the run and a collecting() block count the breaks
+    after the clear instead of going negative or missing them."""
+    from torch._dynamo.utils import counters
+
+    def broken_model():  # a fresh forward each time: Dynamo's cache would serve an earlier one without a break
+        class Fresh(TwoLinears):
+            def forward(self, x):
+                h = torch.relu(self.up(x))
+                torch._dynamo.graph_break()
+                return x + self.down(h)
+        return torch.compile(Fresh(), backend="moepass", options=OPTIONS)
+
+    torch._dynamo.reset()
+    broken_model()(X)
+    assert moepass.last_report().graph_breaks == 1
+    with moepass.collecting() as report:
+        torch.compile(TwoLinears(), backend="moepass", options=OPTIONS)(X)
+        counters.clear()
+        broken_model()(X)
+    assert (report.graph_breaks, report.frames_eager) == (1, 0)
+    counters.clear()
+    broken_model()(X)
+    # the run: the break before the collecting() block and the one after the last clear (the block's went to it)
+    assert moepass.last_report().graph_breaks == 2
+
+
 def test_a_checkpointed_layer_dynamo_cannot_trace_is_reported():
     """A graph break inside a checkpointed body cannot be split at: no graph, the layer runs eagerly in BF16."""
     class CheckpointedBroken(TwoLinears):
