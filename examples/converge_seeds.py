@@ -10,6 +10,8 @@ training loss and for the validation loss alike.
     python examples/converge_seeds.py RUN_DIR [RUN_DIR ...] [--out seeds.json]
 
 RUN_DIR: a converge --out directory (holding converge.json); every run must share the config except its seed.
+One seed may span several runs: recipes trained in later jobs with `--baseline-from` the first run's
+converge.json (a 1,500-step emulated-MXFP8 run alone can outlast a job's time limit).
 """
 
 from __future__ import annotations
@@ -22,25 +24,42 @@ import sys
 
 NUDGED = "inductor-nudged"
 BASELINE = "inductor"
+FLOORS = (BASELINE, NUDGED, "inductor-rerun")  # the BF16 runs: not recipes
 GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
 
 
-def load(dirs: list[str]) -> list[dict]:
-    runs = []
-    for d in dirs:
+def load(paths: list[str]) -> list[dict]:
+    """One merged run per seed. A seed may span several files: recipes trained in separate jobs with
+    `--baseline-from` against the same baseline (its nudged floor in any of them)."""
+    by_seed: dict[int, dict] = {}
+    for d in paths:
         path = pathlib.Path(d) / "converge.json" if pathlib.Path(d).is_dir() else pathlib.Path(d)
         run = json.loads(path.read_text())
+        if not run.get("complete", True):  # files before `complete` was written are whole runs
+            raise SystemExit(f"{path}: the job was cut off before its last variant (no gaps yet); train the rest "
+                             f"with `moepass converge ... --baseline-from {path}`")
+        seed = run["config"]["seed"]
+        if seed not in by_seed:
+            by_seed[seed] = dict(run, paths=[str(path)], commits=[run.get("commit")])
+            continue
+        merged = by_seed[seed]
+        if run["variants"][BASELINE]["loss"] != merged["variants"][BASELINE]["loss"]:
+            raise SystemExit(f"{path} and {merged['paths']} (seed {seed}) were judged against different BF16 "
+                             "baselines; train the later recipes with --baseline-from the first run's converge.json")
+        twice = sorted(set(run["variants"]) & set(merged["variants"]) - set(FLOORS))
+        if twice:
+            raise SystemExit(f"seed {seed}: {twice} trained in both {path} and {merged['paths']}; give one")
+        merged["variants"] = {**run["variants"], **merged["variants"]}
+        merged["paths"].append(str(path))
+        merged["commits"].append(run.get("commit"))
+    runs = list(by_seed.values())
+    for run in runs:
         if NUDGED not in run["variants"]:
-            raise SystemExit(f"{path}: no {NUDGED!r} run; rerun `moepass converge` with --nudged-baseline")
-        run["path"] = str(path)
-        runs.append(run)
+            raise SystemExit(f"{run['paths']}: no {NUDGED!r} run; rerun `moepass converge` with --nudged-baseline")
     differ = {k for r in runs for k in r["config"] if k != "seed" and r["config"][k] != runs[0]["config"][k]}
     if differ:
         raise SystemExit(f"the runs differ in more than their seed: {sorted(differ)}")
-    seeds = [r["config"]["seed"] for r in runs]
-    if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"a seed is given twice: {seeds}")
-    return runs
+    return sorted(runs, key=lambda r: r["config"]["seed"])
 
 
 def gap(run: dict, variant: str, key: str) -> float | None:
@@ -50,10 +69,10 @@ def gap(run: dict, variant: str, key: str) -> float | None:
 
 
 def summarize(runs: list[dict]) -> dict:
-    variants = [n for n in runs[0]["variants"] if n not in (BASELINE, NUDGED)]
+    variants = list(dict.fromkeys(n for r in runs for n in r["variants"] if n not in FLOORS))
     out = {"seeds": [r["config"]["seed"] for r in runs], "config": {k: v for k, v in runs[0]["config"].items()
                                                                     if k != "seed"},
-           "runs": [r["path"] for r in runs], "commits": sorted({str(r.get("commit")) for r in runs}),
+           "runs": [r["paths"] for r in runs], "commits": sorted({str(c) for r in runs for c in r["commits"]}),
            "floor": {}, "variants": {}}
     for key, _ in GAPS:
         floor = [gap(r, NUDGED, key) for r in runs]
@@ -93,7 +112,8 @@ def table(summary: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="converge --out directories (or converge.json files), one per seed")
+    p.add_argument("runs", nargs="+", help="converge --out directories (or converge.json files): one or more per "
+                                           "seed")
     p.add_argument("--out", help="write the summary as JSON here")
     args = p.parse_args(argv)
     summary = summarize(load(args.runs))

@@ -19,7 +19,7 @@ from . import plot
 from .corpus import Batches, load_corpus
 from .flags import add_model_arguments, model_spec
 from .model_spec import ModelSpec
-from .output import error_summary, say, write_outputs
+from .output import error_summary, say, write_json, write_outputs
 from .parity import compare, loss_gaps
 from .provenance import provenance
 from .train import optimizer_name, train, with_loss
@@ -108,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"also train {BASELINE!r} from weights moved by 1-2 bf16 ulps (random signs) and report its "
                         "gap: how far this model and lr amplify a numerically insignificant change, the floor for "
                         "judging a recipe's gap (a rerun in the same process repeats Inductor's choices exactly)")
+    p.add_argument("--baseline-from", default=None, metavar="CONVERGE_JSON",
+                   help=f"take {BASELINE!r} (and the nudged/rerun floors it has) from an earlier run's converge.json "
+                        "with the same model, data, steps, lr, seed and device kind instead of training them again: "
+                        "new recipes judged against a baseline already trained (long runs split over several jobs)")
 
 
 def cmd_converge(args) -> int:
@@ -127,6 +131,10 @@ def cmd_converge(args) -> int:
         raise SystemExit(f"moepass converge: --variants names nothing to compare against {BASELINE!r}")
     spec = model_spec(args)
     device = torch.device(args.device)
+    config = {"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps, "lr": args.lr,
+              "lr_warmup": args.lr_warmup, "seed": args.seed, "data": args.data or "stdlib", "device": str(device),
+              "optimizer": optimizer_name(device), "val_batches": args.val_batches}
+    reused = earlier_baseline(args.baseline_from, config) if args.baseline_from else {}
     train_tokens, val_tokens = load_corpus(args.data)
     batches = Batches(train_tokens, args.batch, args.seq, seed=args.seed)
     val_batches = Batches(val_tokens, args.batch, args.seq, seed=args.seed)
@@ -134,15 +142,25 @@ def cmd_converge(args) -> int:
     say(f"moepass converge: {spec.describe()} on {device}, {args.steps} steps of batch {args.batch} x seq "
         f"{args.seq}, data {args.data or 'stdlib source (bytes)'}; {[v.name for v in variants]}")
 
-    floors = {RERUN: (args.repeat_baseline, "noise_floor_gap_rel", "its own rerun"),
-              NUDGED: (args.nudged_baseline, "nudged_floor_gap_rel", "itself from weights nudged by an ulp")}
-    variants += [dataclasses.replace(variants[0], name=name) for name, (asked, _, _) in floors.items() if asked]
+    floors = {RERUN: (args.repeat_baseline or RERUN in reused, "noise_floor_gap_rel", "its own rerun"),
+              NUDGED: (args.nudged_baseline or NUDGED in reused, "nudged_floor_gap_rel",
+                       "itself from weights nudged by an ulp")}
+    # the baseline and its floors first: a job cut off later still leaves them for --baseline-from
+    variants[1:1] = [dataclasses.replace(variants[0], name=name) for name, (asked, _, _) in floors.items() if asked]
     runs = {}
     for i, v in enumerate(variants, start=1):
+        if v.name in reused:
+            say(f"[{i}/{len(variants)}] {v.name}: from {args.baseline_from}")
+            runs[v.name] = reused[v.name]
+            continue
         say(f"[{i}/{len(variants)}] {v.name}: backend={v.backend} options={v.options}")
         runs[v.name] = train_variant(v, spec, batches, val_batches, steps=args.steps, lr=args.lr,
                                      lr_warmup=args.lr_warmup, seed=args.seed, device=device,
                                      val_n=args.val_batches, log_every=log_every, nudge=v.name == NUDGED)
+        if i < len(variants):  # what is finished survives a job cut off before the end (no verdict yet)
+            so_far = provenance(SCHEMA, device, 1)
+            so_far.update(config=config, baseline=BASELINE, variants=runs, complete=False)
+            write_json(so_far, args.out, "converge")
 
     verdict = compare(runs, names, args.window, args.tolerance)
     notes = []
@@ -159,13 +177,41 @@ def cmd_converge(args) -> int:
         f"{'n/a' if gap is None else f'{gap * 100:.3f}%'} vs tolerance {args.tolerance * 100:.3f}%"
         + (f" ({'; '.join(notes)})" if notes else ""))
     result = provenance(SCHEMA, device, 1)
-    result.update(config={"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                          "lr": args.lr, "lr_warmup": args.lr_warmup, "seed": args.seed,
-                          "data": args.data or "stdlib", "device": str(device),
-                          "optimizer": optimizer_name(device), "val_batches": args.val_batches},
-                  baseline=BASELINE, variants=runs, **verdict)
+    result.update(config=config, baseline=BASELINE, variants=runs, complete=True, **verdict)
+    if reused:
+        result["baseline_from"] = {"path": args.baseline_from, "runs": sorted(reused)}
     write_outputs(result, args.out, "converge", plot.loss_curves)
     return 0 if verdict["pass"] else 1
+
+
+def earlier_baseline(path: str, config: dict) -> dict:
+    """The baseline runs (BF16 and its floors) of an earlier converge.json trained under `config`. Anything
+    else that differs (model, data, steps, lr, seed, batches, device kind) would make the gaps meaningless."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"moepass converge: --baseline-from {path}: cannot read it ({type(e).__name__}: {e})")
+    if earlier.get("schema") != SCHEMA or BASELINE not in earlier.get("variants", {}):
+        raise SystemExit(f"moepass converge: --baseline-from {path} is not a {SCHEMA} result with a "
+                         f"{BASELINE!r} run; give the converge.json that `moepass converge --out DIR` wrote")
+    then = dict(earlier.get("config", {}), device=_device_kind(earlier.get("config", {}).get("device", "")))
+    differ = {k: (then.get(k), v) for k, v in dict(config, device=_device_kind(config["device"])).items()
+              if then.get(k) != v}
+    if differ:
+        raise SystemExit(f"moepass converge: --baseline-from {path} was trained differently: "
+                         + "; ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+                         + ". Give the same flags as that run, or train the baseline again (drop --baseline-from)")
+    runs = {name: run for name, run in earlier["variants"].items() if name in (BASELINE, RERUN, NUDGED)}
+    if runs[BASELINE].get("status") != "ok":
+        raise SystemExit(f"moepass converge: --baseline-from {path}: its {BASELINE!r} run did not finish "
+                         f"({runs[BASELINE].get('status')})")
+    return runs
+
+
+def _device_kind(device: str) -> str:
+    """cuda:0 and cuda:1 train alike; cpu and cuda do not."""
+    return device.split(":")[0]
 
 
 def summary(runs: dict, args) -> str:

@@ -144,3 +144,65 @@ def test_loss_chart_reads_past_the_first_steps_and_keeps_each_variants_colour():
     gap_colour = {line.get_label(): line.get_color() for line in bottom.get_lines() if line.get_label() != "tolerance"}
     assert gap_colour == {name: top_colour[name] for name in ("moepass", "inductor-nudged")}
     plt.close(fig)
+
+
+def _converge_argv(out, *extra):
+    return [sys.executable, "-m", "moepass.cli", "converge", "--model-overrides", json.dumps(TINY),
+            "--batch", "2", "--seq", "32", "--steps", str(STEPS), "--window", str(WINDOW), "--val-batches", "2",
+            "--tolerance", str(TOLERANCE), "--device", "cpu", "--out", str(out), *extra]
+
+
+def test_a_later_job_judges_a_recipe_against_the_baseline_already_trained(converge_run, tmp_path):
+    """--baseline-from: the BF16 runs (and floors) come from the earlier converge.json, only the recipe trains."""
+    earlier, _, earlier_out = converge_run
+    proc = subprocess.run(_converge_argv(tmp_path, "--variant", 'rowwise={"recipe": "fp8_rowwise"}',
+                                         "--baseline-from", str(earlier_out / "converge.json")),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "converge.json").read_text())
+    assert proc.stdout.count("from " + str(earlier_out)) == 3  # baseline, rerun and nudged floors: not trained
+    for name in ("inductor", "inductor-rerun", "inductor-nudged"):
+        assert result["variants"][name]["loss"] == earlier["variants"][name]["loss"]
+    assert result["nudged_floor_gap_rel"] == pytest.approx(earlier["nudged_floor_gap_rel"])
+    rowwise = result["variants"]["rowwise"]
+    gaps = loss_gaps(earlier["variants"]["inductor"]["loss"], rowwise["loss"], WINDOW)
+    assert rowwise["final_loss_gap_rel"] == pytest.approx(gaps["final_loss_gap_rel"])
+    assert result["complete"] is True and result["baseline_from"]["runs"] == sorted(
+        ["inductor", "inductor-rerun", "inductor-nudged"])
+
+
+def test_a_baseline_trained_differently_is_refused(converge_run, tmp_path):
+    _, _, earlier_out = converge_run
+    proc = subprocess.run(_converge_argv(tmp_path, "--seed", "1", "--lr", "0.5",
+                                         "--baseline-from", str(earlier_out / "converge.json")),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "was trained differently" in proc.stderr
+    assert "seed 0 there, 1 here" in proc.stderr and "lr" in proc.stderr
+    assert not (tmp_path / "converge.json").exists()
+
+
+def test_a_job_cut_off_keeps_what_finished_and_its_baseline_can_be_reused(tmp_path, monkeypatch):
+    """The baseline and its floor train first and are on disk before the recipes: a job killed at its time limit
+    leaves them for --baseline-from (the emulated-MXFP8 run alone can outlast a device job)."""
+    import argparse
+
+    trained = []
+
+    def train_variant(v, *args, **kwargs):
+        if len(trained) == 2:
+            raise KeyboardInterrupt  # the job's time limit, during the recipe
+        trained.append(v.name)
+        return {"status": "ok", "loss": [3.0, 2.0 + len(trained)], "val_loss": 2.0}
+
+    monkeypatch.setattr(converge, "train_variant", train_variant)
+    p = argparse.ArgumentParser()
+    converge.add_arguments(p)
+    args = p.parse_args(["--model-overrides", json.dumps(TINY), "--device", "cpu", "--nudged-baseline",
+                         "--variants", "linear", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        converge.cmd_converge(args)
+    assert trained == ["inductor", "inductor-nudged"]
+    partial = json.loads((tmp_path / "converge.json").read_text())
+    assert partial["complete"] is False and list(partial["variants"]) == trained
+    config = dict(partial["config"])
+    assert set(converge.earlier_baseline(str(tmp_path / "converge.json"), config)) == set(trained)

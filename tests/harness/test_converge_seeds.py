@@ -1,0 +1,75 @@
+"""examples/converge_seeds.py: medians over seeds against the nudged floor, from converge.json files (synthetic
+here; tests/harness/test_converge.py runs the real command)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import converge_seeds  # noqa: E402
+
+CONFIG = {"model": "tiny", "batch": 2, "seq": 32, "steps": 8, "lr": 1e-3, "data": "stdlib", "device": "cpu"}
+
+
+def run(tmp_path, seed, variants, name=None, complete=True, baseline_loss=(3.0, 2.0)):
+    ok = lambda final, val: {"status": "ok", "final_loss_gap_rel": final, "val_loss_gap_rel": val}  # noqa: E731
+    doc = {"schema": "moepass.converge/1", "commit": "abc", "complete": complete,
+           "config": dict(CONFIG, seed=seed),
+           "variants": {"inductor": {"status": "ok", "loss": list(baseline_loss)},
+                        **{k: ok(*v) if v else {"status": "error"} for k, v in variants.items()}}}
+    path = tmp_path / (name or f"seed{seed}.json")
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_medians_against_the_nudged_medians_and_a_recipe_split_over_two_jobs(tmp_path, capsys):
+    floor = {0: (0.010, 0.005), 1: (0.006, 0.004), 2: (0.002, 0.008)}  # medians 0.006, 0.005
+    close = {0: (0.001, 0.001), 1: (0.020, 0.002), 2: (0.004, 0.009)}  # medians 0.004, 0.002: within
+    far = {0: (0.030, 0.001), 1: (0.009, 0.001), 2: (0.007, 0.001)}  # final median 0.009: outside
+    paths = [run(tmp_path, s, {"inductor-nudged": floor[s], "close": close[s]}) for s in range(3)]
+    paths += [run(tmp_path, s, {"far": far[s]}, name=f"later{s}.json") for s in range(3)]  # --baseline-from jobs
+    out = tmp_path / "seeds.json"
+    assert converge_seeds.main([*paths, "--out", str(out)]) == 1  # one recipe does not hold
+    summary = json.loads(out.read_text())
+    assert summary["seeds"] == [0, 1, 2]
+    assert summary["floor"]["final_loss_gap_rel"]["median"] == pytest.approx(0.006)
+    assert summary["floor"]["val_loss_gap_rel"]["median"] == pytest.approx(0.005)
+    assert summary["variants"]["close"]["final_loss_gap_rel"]["median"] == pytest.approx(0.004)
+    assert summary["variants"]["close"]["holds"] is True
+    far_final = summary["variants"]["far"]["final_loss_gap_rel"]
+    assert far_final["per_seed"] == [0.030, 0.009, 0.007] and far_final["within_floor"] is False
+    assert summary["variants"]["far"]["holds"] is False
+    assert "far: does not hold" in capsys.readouterr().out
+
+
+def test_a_failed_seed_never_holds(tmp_path):
+    paths = [run(tmp_path, s, {"inductor-nudged": (0.01, 0.01), "r": (0.0, 0.0) if s else None}) for s in range(3)]
+    summary = converge_seeds.summarize(converge_seeds.load(paths))
+    assert summary["variants"]["r"]["final_loss_gap_rel"]["per_seed"][0] is None
+    assert summary["variants"]["r"]["holds"] is False
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("cut_off", "cut off before its last variant"),
+    ("other_baseline", "different BF16 baselines"),
+    ("no_floor", "--nudged-baseline"),
+    ("other_config", "differ in more than their seed"),
+])
+def test_runs_that_cannot_be_compared_are_refused(tmp_path, problem, message):
+    paths = [run(tmp_path, 0, {"inductor-nudged": (0.01, 0.01), "r": (0.0, 0.0)})]
+    if problem == "cut_off":
+        paths.append(run(tmp_path, 1, {"inductor-nudged": (0.01, 0.01)}, complete=False))
+    elif problem == "other_baseline":
+        paths.append(run(tmp_path, 0, {"s": (0.0, 0.0)}, name="later.json", baseline_loss=(3.0, 2.1)))
+    elif problem == "no_floor":
+        paths.append(run(tmp_path, 1, {"r": (0.0, 0.0)}))
+    else:
+        p = run(tmp_path, 1, {"inductor-nudged": (0.01, 0.01), "r": (0.0, 0.0)})
+        doc = json.loads(open(p).read())
+        doc["config"]["lr"] = 2e-3
+        open(p, "w").write(json.dumps(doc))
+        paths.append(p)
+    with pytest.raises(SystemExit, match=message):
+        converge_seeds.load(paths)
