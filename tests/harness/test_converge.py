@@ -172,13 +172,18 @@ def test_a_later_job_judges_a_recipe_against_the_baseline_already_trained(conver
 
 
 def test_a_baseline_trained_differently_is_refused(converge_run, tmp_path):
-    _, _, earlier_out = converge_run
-    proc = subprocess.run(_converge_argv(tmp_path, "--seed", "1", "--lr", "0.5",
-                                         "--baseline-from", str(earlier_out / "converge.json")),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "was trained differently" in proc.stderr
-    assert "seed 0 there, 1 here" in proc.stderr and "lr" in proc.stderr
-    assert not (tmp_path / "converge.json").exists()
+    earlier, _, earlier_out = converge_run
+    config = dict(earlier["config"], seed=1, lr=0.5, device="cuda:0")
+    with pytest.raises(SystemExit, match="was trained differently") as e:
+        converge.earlier_baseline(str(earlier_out / "converge.json"), config)
+    assert "seed 0 there, 1 here" in str(e.value) and "lr " in str(e.value) and "device 'cpu' there, 'cuda' here" \
+        in str(e.value)
+    assert converge.earlier_baseline(str(earlier_out / "converge.json"), dict(earlier["config"]))  # the same: taken
+    (tmp_path / "bench.json").write_text(json.dumps({"schema": "moepass.bench/1", "variants": {}}))
+    with pytest.raises(SystemExit, match="not a moepass.converge/1 result"):
+        converge.earlier_baseline(str(tmp_path / "bench.json"), config)
+    with pytest.raises(SystemExit, match="cannot read it"):
+        converge.earlier_baseline(str(earlier_out / "converge.png"), config)
 
 
 def test_a_job_cut_off_keeps_what_finished_and_its_baseline_can_be_reused(tmp_path, monkeypatch):
