@@ -22,9 +22,9 @@ import pathlib
 import statistics
 import sys
 
-NUDGED = "inductor-nudged"
-BASELINE = "inductor"
-FLOORS = (BASELINE, NUDGED, "inductor-rerun")  # the BF16 runs: not recipes
+from moepass.harness.converge import BASELINE, NUDGED, RERUN
+
+FLOORS = (BASELINE, NUDGED, RERUN)  # the BF16 runs: not recipes
 GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
 
 

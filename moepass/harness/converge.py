@@ -147,6 +147,7 @@ def cmd_converge(args) -> int:
                        "itself from weights nudged by an ulp")}
     # the baseline and its floors first: a job cut off later still leaves them for --baseline-from
     variants[1:1] = [dataclasses.replace(variants[0], name=name) for name, (asked, _, _) in floors.items() if asked]
+    meta = provenance(SCHEMA, device, 1)  # once: the partial writes and the final one share it
     runs = {}
     for i, v in enumerate(variants, start=1):
         if v.name in reused:
@@ -158,9 +159,8 @@ def cmd_converge(args) -> int:
                                      lr_warmup=args.lr_warmup, seed=args.seed, device=device,
                                      val_n=args.val_batches, log_every=log_every, nudge=v.name == NUDGED)
         if i < len(variants):  # what is finished survives a job cut off before the end (no verdict yet)
-            so_far = provenance(SCHEMA, device, 1)
-            so_far.update(config=config, baseline=BASELINE, variants=runs, complete=False)
-            write_json(so_far, args.out, "converge")
+            write_json(dict(meta, config=config, baseline=BASELINE, variants=runs, complete=False), args.out,
+                       "converge")
 
     verdict = compare(runs, names, args.window, args.tolerance)
     notes = []
@@ -176,8 +176,7 @@ def cmd_converge(args) -> int:
     say(f"{'PASS' if verdict['pass'] else 'FAIL'}: final-loss gap "
         f"{'n/a' if gap is None else f'{gap * 100:.3f}%'} vs tolerance {args.tolerance * 100:.3f}%"
         + (f" ({'; '.join(notes)})" if notes else ""))
-    result = provenance(SCHEMA, device, 1)
-    result.update(config=config, baseline=BASELINE, variants=runs, complete=True, **verdict)
+    result = dict(meta, config=config, baseline=BASELINE, variants=runs, complete=True, **verdict)
     if reused:
         result["baseline_from"] = {"path": args.baseline_from, "runs": sorted(reused)}
     write_outputs(result, args.out, "converge", plot.loss_curves)
