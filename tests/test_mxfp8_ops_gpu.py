@@ -72,6 +72,37 @@ def test_compiled_inductor_on_cuda_equals_eager():
         assert torch.equal(a, b)
 
 
+def test_inductor_fuses_emulated_mxfp8_bit_equal_to_the_ops():
+    """The backend's table decomposes emulated ops on CUDA (mxfp8_decomp.py): no MXFP8 op reaches Inductor's
+    post-grad graphs, BF16 GEMMs do, and forward and gradients equal the opaque ops run eagerly, bit for bit."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    from moepass.cache_key import CompiledGraphAudit
+    from moepass.ops.lowp import mxfp8_decomp
+
+    def block(x, w, w_t, offs):
+        h = ops.mxfp8_linear(x, w, None, "rceil", False, "emulated")
+        return ops.mxfp8_grouped_mm(torch.relu(h).reshape(-1, h.shape[-1]), w_t, offs, "rceil", False, "emulated")
+
+    mxfp8_decomp.register_inductor_fallbacks()
+    table = {**select_decomp_table(), **mxfp8_decomp.mxfp8_decompositions()}
+    x, w, _ = linear_inputs((300, 256), 512, seed=1400, device="cuda")
+    _, w_t, offs, g = grouped_inputs([100, 0, 150, 37], 512, 256, seed=1401, device="cuda", trailing_tokens=13)
+    audit = CompiledGraphAudit()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(block, fullgraph=True, backend=lambda gm, ex: compile_fx(
+            gm, ex, decompositions=table, config_patches={"post_grad_custom_post_pass": audit}))
+        got = forward_backward(compiled, g, x, w, w_t, offs)
+    graphs = {c["kind"]: c["ops"] for c in audit.sink}
+    assert set(graphs) == {"forward", "backward"}
+    assert not any(op.startswith("moepass.mxfp8") for ops_ in graphs.values() for op in ops_), graphs
+    assert graphs["forward"].get("aten.mm") and graphs["forward"].get("aten._grouped_mm"), graphs
+    assert_all_equal(got, forward_backward(block, g, x, w, w_t, offs), "block")
+
+
 # ---- kernel="sm100" ------------------------------------------------------------------------------
 
 @pytest.mark.sm100

@@ -1,7 +1,8 @@
 """MXFP8: e4m3 elements with one E8M0 scale per 32 along each GEMM's reduction dim (torchao's MX formats).
 
 Native kernels on sm_100 (torchao), emulated elsewhere with the same numerics: the reference recipe, the one
-moepass is tested with on CPU. Its ops: moepass/ops/lowp/mxfp8.py.
+moepass is tested with on CPU. Its ops: moepass/ops/lowp/mxfp8.py (emulated ops on CUDA decomposed for Inductor:
+mxfp8_decomp.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class MXFP8Recipe(Recipe):
             raise OptionsError(f"moepass: mxfp8.kernel='sm100' requested but {why}. "
                                "Use mxfp8.kernel='auto' or 'emulated' on this device.")
         return "sm100", why
+
+    def decompositions(self, config) -> dict:
+        """Kernel "emulated" ops on CUDA become plain torch, so Inductor fuses their quantization
+        (ops/lowp/mxfp8_decomp.py); no option changes the table."""
+        from moepass.ops.lowp.mxfp8_decomp import mxfp8_decompositions, register_inductor_fallbacks
+
+        register_inductor_fallbacks()
+        return mxfp8_decompositions()
 
 
 MXFP8 = MXFP8Recipe()

@@ -46,11 +46,30 @@ def _to_mx_along_cols(t: Tensor, scale_rounding: str, kernel: str):
                                          MXFP8Dim1CastKernelChoice.CUDA, scale_mode(scale_rounding))
 
 
+def dequantized_rows(t: Tensor, scale_rounding: str) -> Tensor:
+    """t [R, C] quantized to MXFP8 along C (1x32 blocks) and dequantized to t's dtype: torchao's emulated numerics
+    (to_mx, then MXTensor.dequantize's e4m3 -> BF16 cast times the BF16 power-of-two scale; exact), in plain torch
+    so Inductor can fuse it (decomp.py)."""
+    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+
+    scale, q = to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding))
+    blocks = q.to(t.dtype).reshape(-1, MX_BLOCK) * get_fp_scale(scale).reshape(-1, 1).to(t.dtype)
+    return blocks.reshape(t.shape)
+
+
+def _emulated_mm_nt(a: Tensor, b: Tensor, scale_rounding: str) -> Tensor:
+    """a [M, K] @ b [N, K].T with both quantized along K: torchao's emulated MX mm (a row-major, b column-major)."""
+    return torch.mm(dequantized_rows(a, scale_rounding), dequantized_rows(b, scale_rounding).t())
+
+
 def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale_rounding: str, kernel: str) -> Tensor:
     """y = x @ W.T (+ b): x and W scaled along K."""
-    x_mx = _to_mx_along_rows(x.reshape(-1, x.shape[-1]), scale_rounding, kernel)
-    w_mx = _to_mx_along_rows(weight, scale_rounding, kernel)
-    y = torch.mm(x_mx, w_mx.t())
+    x2 = x.reshape(-1, x.shape[-1])
+    if kernel == "emulated":
+        y = _emulated_mm_nt(x2, weight, scale_rounding)
+    else:
+        y = torch.mm(_to_mx_along_rows(x2, scale_rounding, kernel),
+                     _to_mx_along_rows(weight, scale_rounding, kernel).t())
     if bias is not None:
         y = y + bias  # bf16 add after the GEMM, as torchao's MXFP8Linear does (its quantize_ path drops bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -58,12 +77,12 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale_roun
 
 def linear_dgrad(grad_out: Tensor, weight: Tensor, scale_rounding: str, kernel: str) -> Tensor:
     """grad_x = grad_out @ W, both scaled along N."""
-    go_mx = _to_mx_along_rows(grad_out.reshape(-1, grad_out.shape[-1]), scale_rounding, kernel)
+    go = grad_out.reshape(-1, grad_out.shape[-1])
     if kernel == "emulated":
-        w_mx = _to_mx_along_rows(weight.t(), scale_rounding, kernel)
+        grad_x = _emulated_mm_nt(go, weight.t(), scale_rounding)
     else:
-        w_mx = _to_mx_along_cols(weight, scale_rounding, kernel)
-    grad_x = torch.mm(go_mx, w_mx.t())
+        grad_x = torch.mm(_to_mx_along_rows(go, scale_rounding, kernel),
+                          _to_mx_along_cols(weight, scale_rounding, kernel).t())
     return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
@@ -76,6 +95,8 @@ def linear_wgrad(grad_out: Tensor, x: Tensor, scale_rounding: str, kernel: str) 
     """grad_W = grad_out.T @ x, both scaled along tokens."""
     go = _pad_tokens(grad_out.reshape(-1, grad_out.shape[-1]))
     xr = _pad_tokens(x.reshape(-1, x.shape[-1]))
+    if kernel == "emulated":
+        return _emulated_mm_nt(go.t(), xr.t(), scale_rounding)
     go_t_mx = _to_mx_along_cols(go, scale_rounding, kernel)  # [N, M]
     x_mx = _to_mx_along_cols(xr, scale_rounding, kernel).t()  # [M, K]
     return torch.mm(go_t_mx, x_mx)

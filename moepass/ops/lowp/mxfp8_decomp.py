@@ -1,0 +1,76 @@
+"""Emulated MXFP8 on a GPU without sm_100, handed to Inductor as plain torch so it fuses the quantization.
+
+Kernel "emulated" quantizes each operand with torchao's to_mx, dequantizes it (exactly: e4m3 times a power of two)
+and runs a BF16 GEMM. Inside the opaque op that is eager torch, a dozen elementwise kernels per operand over fp32
+copies, the expert weights quantized again in every forward and dgrad: on an H200 at 16B dims, 2 layers, MXFP8's
+step took ~5x BF16's (360-377 ms against 68-77 ms), which priced MXFP8's numerics over seeds out of a device job.
+Decomposed by AOTAutograd, each op becomes the code its own body runs (mxfp8.py: dequantized_rows around torch.mm;
+torchao's emulated grouped path around torch._grouped_mm, our token-group padding included), and Inductor fuses
+each operand's quantize-dequantize into one kernel (into its producer where it can). Same code eager and compiled,
+so the same bits (tests/test_mxfp8_ops_gpu.py checks the backend against the eager ops).
+
+Only on CUDA tensors: on CPU (the test suite's device) the decomposition declines and the op stays one opaque call,
+since Inductor's C++ for the fused quantization costs more compile time than the eager op costs at CPU sizes. The
+sm100 kernel is never decomposed (torchao's own CUDA casts and MX GEMMs). In compiled graphs a decomposed op shows
+as its BF16 GEMM (aten.mm / aten._grouped_mm), which is what emulation runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import mxfp8
+from .inductor_fallbacks import register_fallbacks
+
+FUSED_ON = ("cuda",)  # device types whose emulated ops are decomposed (a test adds "cpu")
+
+
+def _fused(t: torch.Tensor, kernel: str) -> bool:
+    return kernel == "emulated" and t.device.type in FUSED_ON
+
+
+def _decompose_linear(x, weight, bias, scale_rounding, wgrad_bf16, kernel):
+    return mxfp8.linear_forward(x, weight, bias, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
+
+
+def _decompose_linear_dgrad(grad_out, weight, scale_rounding, kernel):
+    return mxfp8.linear_dgrad(grad_out, weight, scale_rounding, kernel) if _fused(grad_out, kernel) else NotImplemented
+
+
+def _decompose_linear_wgrad(grad_out, x, scale_rounding, kernel):
+    return mxfp8.linear_wgrad(grad_out, x, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
+
+
+def _decompose_grouped_mm(x, w_t, offs, scale_rounding, wgrad_bf16, kernel):
+    return mxfp8.grouped_forward(x, w_t, offs, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
+
+
+def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, scale_rounding, kernel):
+    if not _fused(grad_out, kernel):
+        return NotImplemented
+    return mxfp8.grouped_dgrad(grad_out, w_t, offs, scale_rounding, kernel)
+
+
+def _decompose_grouped_mm_wgrad(grad_out, x, offs, scale_rounding, kernel):
+    return mxfp8.grouped_wgrad(grad_out, x, offs, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
+
+
+def mxfp8_decompositions() -> dict:
+    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
+    ops = torch.ops.moepass
+    return {
+        ops.mxfp8_linear.default: _decompose_linear,
+        ops.mxfp8_linear_dgrad.default: _decompose_linear_dgrad,
+        ops.mxfp8_linear_wgrad.default: _decompose_linear_wgrad,
+        ops.mxfp8_grouped_mm.default: _decompose_grouped_mm,
+        ops.mxfp8_grouped_mm_dgrad.default: _decompose_grouped_mm_dgrad,
+        ops.mxfp8_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def register_inductor_fallbacks() -> None:
+    """Lowerings for the ops whose decomposition declines (CPU tensors, kernel "sm100")."""
+    register_fallbacks(mxfp8_decompositions())
