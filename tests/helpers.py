@@ -683,3 +683,20 @@ def two_linears_per_kernel(recipe: str, kernels, dim: int, hidden: int):
         results[kernel] = (out.detach(), m.up.weight.grad, m.down.weight.grad)
         audits[kernel] = {c["kind"]: c["ops"] for c in report.compiled}
     return results, audits
+
+
+def recording_aot_backend(graphs: dict, decompositions: dict, compiles: list | None = None):
+    """aot_autograd with `decompositions`, running each graph as traced; keeps each graph's call_function targets
+    in graphs["fw"] / graphs["bw"] and appends to `compiles` per forward compiled."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+            if compiles is not None and kind == "fw":
+                compiles.append(1)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"), decompositions=decompositions)

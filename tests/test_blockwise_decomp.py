@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.blockwise import decomp, gemm, kernels, quant
 from moepass.options import Config
 from moepass.recipes import BLOCKWISE, settle
-from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs, two_linears_per_kernel
+from helpers import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend,
+                     two_linears_per_kernel)
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
@@ -46,18 +45,8 @@ def blockwise_scaled_mm_on_cpu(monkeypatch):
     monkeypatch.setattr(kernels, "choose_blockwise_kernel", choose)
 
 
-def _graphs_backend(graphs, dynamic_counts=None):
-    """aot_autograd with the blockwise table; keeps each graph's call_function targets in graphs["fw"] / ["bw"]."""
-    def record(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-            if dynamic_counts is not None and kind == "fw":
-                dynamic_counts.append(1)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
-                        decompositions=decomp.blockwise_decompositions())
+def _graphs_backend(graphs, compiles=None):
+    return recording_aot_backend(graphs, decomp.blockwise_decompositions(), compiles)
 
 
 def _linear(kernel, wgrad_bf16=False):

@@ -17,7 +17,8 @@ import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.cache_key import CompiledGraphAudit
 from moepass.ops.lowp.fp8_rowwise import decomp, quant
-from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs, two_linears_per_kernel
+from helpers import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend,
+                     two_linears_per_kernel)
 from helpers import fp8_rowwise_op_grouped as op_grouped
 from helpers import fp8_rowwise_op_linear as op_linear
 from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
@@ -185,14 +186,7 @@ def test_w1_and_w3_wgrads_share_one_quantization_of_x(scaled_grouped_mm_on_cpu):
 # ---- AOTAutograd applies the table: forward op and the backward ops its autograd calls --------------
 
 def _graphs_backend(graphs):
-    def record(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
-                        decompositions=decomp.fp8_rowwise_decompositions())
+    return recording_aot_backend(graphs, decomp.fp8_rowwise_decompositions())
 
 
 def _block(x, w, w_t, offs, kernel):

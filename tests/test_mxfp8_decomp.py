@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.ops.lowp import mxfp8_decomp
 from moepass.options import Config
 from moepass.recipes import MXFP8, settle
-from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs
+from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend
 
 ops = torch.ops.moepass
 MXFP8_OPS = {getattr(ops, f"mxfp8_{name}").default for name in (
@@ -31,17 +29,7 @@ def fused_on_cpu(monkeypatch):
 
 
 def _graphs_backend(graphs, compiles=None):
-    """aot_autograd with the MXFP8 table; keeps each graph's call_function targets in graphs["fw"] / ["bw"]."""
-    def record(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-            if compiles is not None and kind == "fw":
-                compiles.append(1)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    return aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw"),
-                        decompositions=mxfp8_decomp.mxfp8_decompositions())
+    return recording_aot_backend(graphs, mxfp8_decomp.mxfp8_decompositions(), compiles)
 
 
 def _block(x, w, w_t, offs, scale_rounding="rceil"):
