@@ -26,6 +26,7 @@ from moepass.harness.converge import BASELINE, NUDGED, RERUN
 
 FLOORS = (BASELINE, NUDGED, RERUN)  # the BF16 runs: not recipes
 GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
+SIGNED = (("final_loss", "final"), ("val_loss", "val"))
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -68,6 +69,12 @@ def gap(run: dict, variant: str, key: str) -> float | None:
     return None if v is None or v.get("status") != "ok" else v.get(key)
 
 
+def signed(run: dict, variant: str, key: str) -> float | None:
+    """(variant - BF16) / BF16 of `key` ("final_loss" or "val_loss") in one seed's run, with its sign."""
+    v, base = run["variants"].get(variant), run["variants"][BASELINE]
+    return None if v is None or v.get("status") != "ok" else (v[key] - base[key]) / base[key]
+
+
 def summarize(runs: list[dict]) -> dict:
     variants = list(dict.fromkeys(n for r in runs for n in r["variants"] if n not in FLOORS))
     out = {"seeds": [r["config"]["seed"] for r in runs], "config": {k: v for k, v in runs[0]["config"].items()
@@ -87,6 +94,10 @@ def summarize(runs: list[dict]) -> dict:
                           "within_floor": med is not None and floor is not None and med <= floor}
         entry["holds"] = all(entry[key]["within_floor"] for key, _ in GAPS)
         out["variants"][name] = entry
+    # The gaps are magnitudes. With their signs: where the nudged run and a recipe land on the same side of BF16
+    # seed after seed, the BF16 run itself sits off the perturbed runs, and every gap of that seed carries it.
+    out["signed"] = {name: {key: [signed(r, name, key) for r in runs] for key, _ in SIGNED}
+                     for name in (NUDGED, *variants)}
     return out
 
 
@@ -103,6 +114,13 @@ def table(summary: dict) -> str:
             e = entry[key]
             lines.append(f"{name:<16} " + " ".join(f"{pct(x):>9}" for x in e["per_seed"])
                          + f" {pct(e['median']):>9}  {'within' if e['within_floor'] else 'OUTSIDE'}")
+    signs = lambda x: "failed" if x is None else f"{x * 100:+.2f}%"  # noqa: E731
+    for key, label in SIGNED:
+        lines.append(f"\n{label + ' vs BF16':<16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
+                     + "  (signed: run - BF16)")
+        for name, per_seed in summary["signed"].items():
+            label = "nudged BF16" if name == NUDGED else name
+            lines.append(f"{label:<16} " + " ".join(f"{signs(x):>9}" for x in per_seed[key]))
     lines.append("")
     for name, entry in summary["variants"].items():
         lines.append(f"{name}: {'holds' if entry['holds'] else 'does not hold'} (median final-loss and val-loss "

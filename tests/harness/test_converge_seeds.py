@@ -13,11 +13,20 @@ import converge_seeds  # noqa: E402
 CONFIG = {"model": "tiny", "batch": 2, "seq": 32, "steps": 8, "lr": 1e-3, "data": "stdlib", "device": "cpu"}
 
 
+BASE_FINAL, BASE_VAL = 2.0, 2.5
+
+
 def run(tmp_path, seed, variants, name=None, complete=True, baseline_loss=(3.0, 2.0)):
-    ok = lambda final, val: {"status": "ok", "final_loss_gap_rel": final, "val_loss_gap_rel": val}  # noqa: E731
+    """variants: {name: (final gap, val gap)}, signed: the run's losses are BF16's times (1 + gap); the gaps
+    converge writes are their magnitudes."""
+    def ok(final, val):
+        return {"status": "ok", "final_loss_gap_rel": abs(final), "val_loss_gap_rel": abs(val),
+                "final_loss": BASE_FINAL * (1 + final), "val_loss": BASE_VAL * (1 + val)}
+
     doc = {"schema": "moepass.converge/1", "commit": "abc", "complete": complete,
            "config": dict(CONFIG, seed=seed),
-           "variants": {"inductor": {"status": "ok", "loss": list(baseline_loss)},
+           "variants": {"inductor": {"status": "ok", "loss": list(baseline_loss), "final_loss": BASE_FINAL,
+                                     "val_loss": BASE_VAL},
                         **{k: ok(*v) if v else {"status": "error"} for k, v in variants.items()}}}
     path = tmp_path / (name or f"seed{seed}.json")
     path.write_text(json.dumps(doc))
@@ -42,6 +51,19 @@ def test_medians_against_the_nudged_medians_and_a_recipe_split_over_two_jobs(tmp
     assert far_final["per_seed"] == [0.030, 0.009, 0.007] and far_final["within_floor"] is False
     assert summary["variants"]["far"]["holds"] is False
     assert "far: does not hold" in capsys.readouterr().out
+
+
+def test_signed_differences_show_when_every_perturbed_run_lands_on_one_side(tmp_path, capsys):
+    # seed 1's BF16 run sits above its perturbed runs: nudged and recipe land below it alike
+    floor = {0: (0.005, 0.002), 1: (-0.009, -0.001), 2: (-0.002, 0.001)}
+    recipe = {0: (0.008, 0.007), 1: (-0.014, -0.007), 2: (-0.004, -0.003)}
+    paths = [run(tmp_path, s, {"inductor-nudged": floor[s], "r": recipe[s]}) for s in range(3)]
+    summary = converge_seeds.summarize(converge_seeds.load(paths))
+    assert summary["signed"]["r"]["final_loss"] == pytest.approx([0.008, -0.014, -0.004])
+    assert summary["signed"]["inductor-nudged"]["val_loss"] == pytest.approx([0.002, -0.001, 0.001])
+    assert summary["variants"]["r"]["final_loss_gap_rel"]["per_seed"] == pytest.approx([0.008, 0.014, 0.004])
+    text = converge_seeds.table(summary)
+    assert "-1.40%" in text and "+0.80%" in text and "signed: run - BF16" in text
 
 
 def test_a_failed_seed_never_holds(tmp_path):
