@@ -5,7 +5,10 @@ variant, its final-loss gap and validation-loss gap to the BF16 baseline, and th
 retrained from weights nudged by an ulp: how far this model and lr amplify a numerically insignificant change.
 One seed proves nothing either way (a nudge alone moves the final loss by 0.2-2% here), so a recipe is judged on
 medians over seeds: it holds when the median of its gaps is within the median of the nudged gaps, for the final
-training loss and for the validation loss alike.
+training loss and for the validation loss alike. A seed may hold several nudged runs (`--nudged-baseline N`): the
+floor's median is then taken over all of them, every seed's pooled. The signed differences (run - BF16) are
+printed too: where the nudged runs and the recipes of a seed land on one side of its BF16 run, the gaps of that
+seed measure that BF16 run's own place as much as any recipe.
 
     python examples/converge_seeds.py RUN_DIR [RUN_DIR ...] [--out seeds.json]
 
@@ -22,9 +25,11 @@ import pathlib
 import statistics
 import sys
 
-from moepass.harness.converge import BASELINE, NUDGED, RERUN
+from moepass.harness.converge import BASELINE, NUDGED, RERUN, is_nudged
 
-FLOORS = (BASELINE, NUDGED, RERUN)  # the BF16 runs: not recipes
+def is_floor(name: str) -> bool:
+    """The BF16 runs (baseline, rerun, nudged floors): not recipes."""
+    return name in (BASELINE, RERUN) or is_nudged(name)
 GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
 SIGNED = (("final_loss", "final"), ("val_loss", "val"))
 
@@ -47,7 +52,7 @@ def load(paths: list[str]) -> list[dict]:
         if run["variants"][BASELINE]["loss"] != merged["variants"][BASELINE]["loss"]:
             raise SystemExit(f"{path} and {merged['paths']} (seed {seed}) were judged against different BF16 "
                              "baselines; train the later recipes with --baseline-from the first run's converge.json")
-        twice = sorted(set(run["variants"]) & set(merged["variants"]) - set(FLOORS))
+        twice = sorted(n for n in set(run["variants"]) & set(merged["variants"]) if not is_floor(n))
         if twice:
             raise SystemExit(f"seed {seed}: {twice} trained in both {path} and {merged['paths']}; give one")
         merged["variants"] = {**run["variants"], **merged["variants"]}
@@ -55,8 +60,8 @@ def load(paths: list[str]) -> list[dict]:
         merged["commits"].append(run.get("commit"))
     runs = list(by_seed.values())
     for run in runs:
-        if NUDGED not in run["variants"]:
-            raise SystemExit(f"{run['paths']}: no {NUDGED!r} run; rerun `moepass converge` with --nudged-baseline")
+        if not nudged_runs(run):
+            raise SystemExit(f"{run['paths']}: no nudged BF16 run; rerun `moepass converge` with --nudged-baseline")
     differ = {k for r in runs for k in r["config"] if k != "seed" and r["config"][k] != runs[0]["config"][k]}
     if differ:
         raise SystemExit(f"the runs differ in more than their seed: {sorted(differ)}")
@@ -69,6 +74,10 @@ def gap(run: dict, variant: str, key: str) -> float | None:
     return None if v is None or v.get("status") != "ok" else v.get(key)
 
 
+def nudged_runs(run: dict) -> list[str]:
+    return sorted((n for n in run["variants"] if is_nudged(n)), key=lambda n: (len(n), n))
+
+
 def signed(run: dict, variant: str, key: str) -> float | None:
     """(variant - BF16) / BF16 of `key` ("final_loss" or "val_loss") in one seed's run, with its sign."""
     v, base = run["variants"].get(variant), run["variants"][BASELINE]
@@ -76,14 +85,18 @@ def signed(run: dict, variant: str, key: str) -> float | None:
 
 
 def summarize(runs: list[dict]) -> dict:
-    variants = list(dict.fromkeys(n for r in runs for n in r["variants"] if n not in FLOORS))
+    variants = list(dict.fromkeys(n for r in runs for n in r["variants"] if not is_floor(n)))
     out = {"seeds": [r["config"]["seed"] for r in runs], "config": {k: v for k, v in runs[0]["config"].items()
                                                                     if k != "seed"},
            "runs": [r["paths"] for r in runs], "commits": sorted({str(c) for r in runs for c in r["commits"]}),
            "floor": {}, "variants": {}}
-    for key, _ in GAPS:
-        floor = [gap(r, NUDGED, key) for r in runs]
-        out["floor"][key] = {"per_seed": floor, "median": None if None in floor else statistics.median(floor)}
+    for key, _ in GAPS:  # every nudged run of every seed: one pooled sample of the floor
+        per_seed = [[gap(r, n, key) for n in nudged_runs(r)] for r in runs]
+        pooled = [g for gaps in per_seed for g in gaps]
+        out["floor"][key] = {
+            "per_seed": [None if None in gaps else statistics.median(gaps) for gaps in per_seed],
+            "runs_per_seed": [len(gaps) for gaps in per_seed], "all": pooled,
+            "median": None if None in pooled else statistics.median(pooled)}
     for name in variants:
         entry = {}
         for key, _ in GAPS:
@@ -96,8 +109,9 @@ def summarize(runs: list[dict]) -> dict:
         out["variants"][name] = entry
     # The gaps are magnitudes. With their signs: where the nudged run and a recipe land on the same side of BF16
     # seed after seed, the BF16 run itself sits off the perturbed runs, and every gap of that seed carries it.
+    nudged = list(dict.fromkeys(n for r in runs for n in nudged_runs(r)))
     out["signed"] = {name: {key: [signed(r, name, key) for r in runs] for key, _ in SIGNED}
-                     for name in (NUDGED, *variants)}
+                     for name in (*nudged, *variants)}
     return out
 
 
@@ -108,8 +122,11 @@ def table(summary: dict) -> str:
     for key, label in GAPS:
         floor = summary["floor"][key]
         lines.append(f"\n{label:<16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds) + f" {'median':>9}")
+        several = max(floor["runs_per_seed"]) > 1
         lines.append(f"{'nudged BF16':<16} " + " ".join(f"{pct(x):>9}" for x in floor["per_seed"])
-                     + f" {pct(floor['median']):>9}")
+                     + f" {pct(floor['median']):>9}"
+                     + (f"  (per seed: the median of its {floor['runs_per_seed']} nudged runs; median: of all "
+                        f"{len(floor['all'])})" if several else ""))
         for name, entry in summary["variants"].items():
             e = entry[key]
             lines.append(f"{name:<16} " + " ".join(f"{pct(x):>9}" for x in e["per_seed"])
@@ -119,7 +136,7 @@ def table(summary: dict) -> str:
         lines.append(f"\n{label + ' vs BF16':<16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
                      + "  (signed: run - BF16)")
         for name, per_seed in summary["signed"].items():
-            label = "nudged BF16" if name == NUDGED else name
+            label = f"nudged BF16{name[len(NUDGED):].replace('-', ' #')}" if is_nudged(name) else name
             lines.append(f"{label:<16} " + " ".join(f"{signs(x):>9}" for x in per_seed[key]))
     lines.append("")
     for name, entry in summary["variants"].items():

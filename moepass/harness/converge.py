@@ -27,6 +27,21 @@ from .variants import BASELINE, Variant, parse_custom_variant, resolve_variants
 
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
 NUDGED = f"{BASELINE}-nudged"  # --nudged-baseline: the baseline from weights moved by an ulp or two
+
+
+def nudged_name(k: int) -> str:
+    """The k-th nudged floor (1-based): NUDGED, then NUDGED-2, NUDGED-3, ... (--nudged-baseline N)."""
+    return NUDGED if k == 1 else f"{NUDGED}-{k}"
+
+
+def is_nudged(name: str) -> bool:
+    return name == NUDGED or (name.startswith(f"{NUDGED}-") and name[len(NUDGED) + 1:].isdigit())
+
+
+def nudge_seed(seed: int, name: str) -> int:
+    """The sign pattern of a nudged floor: seed + 1 for the first (as every earlier run), far apart for the rest."""
+    k = 1 if name == NUDGED else int(name[len(NUDGED) + 1:])
+    return seed + 1 + 7919 * (k - 1)
 NUDGE = 2.0**-7  # relative: at least one bf16 ulp (bf16's spacing is 2^-8 to 2^-7 of the value)
 SCHEMA = "moepass.converge/1"
 
@@ -55,7 +70,7 @@ def validation_loss(loss_of, batches, n: int, device: torch.device) -> float:
 
 
 def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, steps: int, lr: float, lr_warmup: int,
-                  seed: int, device: torch.device, val_n: int, log_every: int, nudge: bool = False) -> dict:
+                  seed: int, device: torch.device, val_n: int, log_every: int, nudge: int | None = None) -> dict:
     entry = {"backend": variant.backend or "eager", "options": variant.options}
     unavailable = variant.problem(device)
     if unavailable:  # a peer recipe this device cannot run: said, not silently replaced by plain Inductor
@@ -65,8 +80,8 @@ def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, st
     try:
         torch._dynamo.reset()
         model = spec.build(seed, device)
-        if nudge:
-            nudge_weights(model, seed + 1)
+        if nudge is not None:
+            nudge_weights(model, nudge)
         variant.prepare(model)  # a peer recipe converts the weights before the optimizer sees them
         loss_of = variant.compile(with_loss(model))  # the loss compiled with the model, as `moepass bench` runs it
 
@@ -104,10 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-baseline", action="store_true",
                    help=f"train {BASELINE!r} twice and report the gap between the two runs: the run-to-run "
                         "noise floor of the criterion (GPU kernels with atomics are not bitwise reproducible)")
-    p.add_argument("--nudged-baseline", action="store_true",
+    p.add_argument("--nudged-baseline", type=int, nargs="?", const=1, default=0, metavar="N",
                    help=f"also train {BASELINE!r} from weights moved by 1-2 bf16 ulps (random signs) and report its "
                         "gap: how far this model and lr amplify a numerically insignificant change, the floor for "
-                        "judging a recipe's gap (a rerun in the same process repeats Inductor's choices exactly)")
+                        "judging a recipe's gap (a rerun in the same process repeats Inductor's choices exactly). "
+                        "N: that many nudged runs, each its own sign pattern (a floor from one run is one sample "
+                        "of a spread)")
     p.add_argument("--baseline-from", default=None, metavar="CONVERGE_JSON",
                    help=f"take {BASELINE!r} (and the nudged/rerun floors it has) from an earlier run's converge.json "
                         "with the same model, data, steps, lr, seed and device kind instead of training them again: "
@@ -129,6 +146,8 @@ def cmd_converge(args) -> int:
         raise SystemExit("moepass converge runs in one process: start it without torchrun")
     if not names:
         raise SystemExit(f"moepass converge: --variants names nothing to compare against {BASELINE!r}")
+    if args.nudged_baseline < 0:
+        raise SystemExit("moepass converge: --nudged-baseline N needs N >= 1 (or no N for one nudged run)")
     spec = model_spec(args)
     device = torch.device(args.device)
     config = {"model": spec.describe(), "batch": args.batch, "seq": args.seq, "steps": args.steps, "lr": args.lr,
@@ -142,9 +161,12 @@ def cmd_converge(args) -> int:
     say(f"moepass converge: {spec.describe()} on {device}, {args.steps} steps of batch {args.batch} x seq "
         f"{args.seq}, data {args.data or 'stdlib source (bytes)'}; {[v.name for v in variants]}")
 
+    nudged = [nudged_name(k) for k in range(1, args.nudged_baseline + 1)]
+    nudged += sorted((n for n in reused if is_nudged(n) and n not in nudged), key=lambda n: nudge_seed(0, n))
     floors = {RERUN: (args.repeat_baseline or RERUN in reused, "noise_floor_gap_rel", "its own rerun"),
-              NUDGED: (args.nudged_baseline or NUDGED in reused, "nudged_floor_gap_rel",
-                       "itself from weights nudged by an ulp")}
+              **{name: (True, "nudged_floor_gap_rel" if name == NUDGED else None,
+                        "itself from weights nudged by an ulp" + ("" if name == NUDGED else f" ({name})"))
+                 for name in nudged}}
     # the baseline and its floors first: a job cut off later still leaves them for --baseline-from
     variants[1:1] = [dataclasses.replace(variants[0], name=name) for name, (asked, _, _) in floors.items() if asked]
     meta = provenance(SCHEMA, device, 1)  # once: the partial writes and the final one share it
@@ -157,7 +179,8 @@ def cmd_converge(args) -> int:
         say(f"[{i}/{len(variants)}] {v.name}: backend={v.backend} options={v.options}")
         runs[v.name] = train_variant(v, spec, batches, val_batches, steps=args.steps, lr=args.lr,
                                      lr_warmup=args.lr_warmup, seed=args.seed, device=device,
-                                     val_n=args.val_batches, log_every=log_every, nudge=v.name == NUDGED)
+                                     val_n=args.val_batches, log_every=log_every,
+                                     nudge=nudge_seed(args.seed, v.name) if is_nudged(v.name) else None)
         if i < len(variants):  # what is finished survives a job cut off before the end (no verdict yet)
             write_json(dict(meta, config=config, baseline=BASELINE, variants=runs, complete=False), args.out,
                        "converge")
@@ -169,8 +192,11 @@ def cmd_converge(args) -> int:
             runs[name].update(loss_gaps(runs[BASELINE]["loss"], runs[name]["loss"], args.window))
             runs[name]["val_loss_gap_rel"] = abs(runs[name]["val_loss"] - runs[BASELINE]["val_loss"]) / \
                 runs[BASELINE]["val_loss"]
-            verdict[key] = runs[name]["final_loss_gap_rel"]
-            notes.append(f"the baseline against {against}: {verdict[key] * 100:.3f}%")
+            if key:
+                verdict[key] = runs[name]["final_loss_gap_rel"]
+            if is_nudged(name):
+                verdict.setdefault("nudged_floor_gaps_rel", {})[name] = runs[name]["final_loss_gap_rel"]
+            notes.append(f"the baseline against {against}: {runs[name]['final_loss_gap_rel'] * 100:.3f}%")
     say("\n" + summary(runs, args))
     gap = verdict["final_loss_gap_rel"]
     say(f"{'PASS' if verdict['pass'] else 'FAIL'}: final-loss gap "
@@ -201,7 +227,7 @@ def earlier_baseline(path: str, config: dict) -> dict:
         raise SystemExit(f"moepass converge: --baseline-from {path} was trained differently: "
                          + "; ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differ.items())
                          + ". Give the same flags as that run, or train the baseline again (drop --baseline-from)")
-    runs = {name: run for name, run in earlier["variants"].items() if name in (BASELINE, RERUN, NUDGED)}
+    runs = {name: run for name, run in earlier["variants"].items() if name in (BASELINE, RERUN) or is_nudged(name)}
     if runs[BASELINE].get("status") != "ok":
         raise SystemExit(f"moepass converge: --baseline-from {path}: its {BASELINE!r} run did not finish "
                          f"({runs[BASELINE].get('status')})")

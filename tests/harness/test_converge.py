@@ -213,3 +213,42 @@ def test_a_job_cut_off_keeps_what_finished_and_its_baseline_can_be_reused(tmp_pa
     assert partial["complete"] is False and list(partial["variants"]) == trained
     config = dict(partial["config"])
     assert set(converge.earlier_baseline(str(tmp_path / "converge.json"), config)) == set(trained)
+
+
+def test_several_nudged_floors_each_with_its_own_signs_and_reused_by_a_later_job(tmp_path, monkeypatch):
+    """--nudged-baseline N: N nudged runs (the first as before, seed + 1), each gap in the verdict; a later job's
+    --baseline-from takes them all."""
+    import argparse
+
+    trained = {}
+
+    def train_variant(v, *args, nudge=None, **kwargs):
+        trained[v.name] = nudge
+        k = len(trained)
+        return {"status": "ok", "loss": [3.0, 2.0 + 0.01 * k], "val_loss": 2.0 + 0.01 * k}
+
+    def run(*argv):
+        p = argparse.ArgumentParser()
+        converge.add_arguments(p)
+        return converge.cmd_converge(p.parse_args(["--model-overrides", json.dumps(TINY), "--device", "cpu",
+                                                   "--seed", "5", *argv]))
+
+    monkeypatch.setattr(converge, "train_variant", train_variant)
+    run("--nudged-baseline", "3", "--variants", "linear", "--out", str(tmp_path / "a"))
+    assert list(trained) == ["inductor", "inductor-nudged", "inductor-nudged-2", "inductor-nudged-3", "linear"]
+    seeds = [trained[n] for n in ("inductor-nudged", "inductor-nudged-2", "inductor-nudged-3")]
+    assert seeds[0] == 6 and len(set(seeds)) == 3 and trained["inductor"] is None and trained["linear"] is None
+    result = json.loads((tmp_path / "a" / "converge.json").read_text())
+    floors = result["nudged_floor_gaps_rel"]
+    assert list(floors) == ["inductor-nudged", "inductor-nudged-2", "inductor-nudged-3"]
+    assert floors["inductor-nudged-2"] == pytest.approx(0.01 / 2.505)  # final = mean of both steps: 2.515 vs 2.505
+    assert result["nudged_floor_gap_rel"] == floors["inductor-nudged"]
+
+    trained.clear()
+    run("--nudged-baseline", "--variants", "eager", "--out", str(tmp_path / "b"),
+        "--baseline-from", str(tmp_path / "a" / "converge.json"))
+    assert list(trained) == ["eager"]  # the baseline and its three floors came from the earlier job
+    later = json.loads((tmp_path / "b" / "converge.json").read_text())
+    assert later["nudged_floor_gaps_rel"] == pytest.approx(floors)
+    with pytest.raises(SystemExit, match="N >= 1"):
+        run("--nudged-baseline", "-1", "--variants", "linear", "--out", str(tmp_path / "c"))

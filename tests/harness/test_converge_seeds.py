@@ -66,6 +66,24 @@ def test_signed_differences_show_when_every_perturbed_run_lands_on_one_side(tmp_
     assert "-1.40%" in text and "+0.80%" in text and "signed: run - BF16" in text
 
 
+def test_several_nudged_runs_per_seed_pool_into_one_floor(tmp_path, capsys):
+    nudges = {0: ((0.001, 0.001), (0.009, 0.002)), 1: ((0.004, 0.003), (0.002, 0.004)), 2: ((0.012, 0.01),)}
+    paths = []
+    for s, floors in nudges.items():
+        named = {("inductor-nudged" if k == 0 else f"inductor-nudged-{k + 1}"): g for k, g in enumerate(floors)}
+        paths.append(run(tmp_path, s, {**named, "r": (0.0035, 0.0025)}))
+    summary = converge_seeds.summarize(converge_seeds.load(paths))
+    floor = summary["floor"]["final_loss_gap_rel"]
+    assert floor["runs_per_seed"] == [2, 2, 1] and sorted(floor["all"]) == [0.001, 0.002, 0.004, 0.009, 0.012]
+    assert floor["median"] == pytest.approx(0.004)  # pooled: not the median of the per-seed medians (0.005)
+    assert floor["per_seed"] == pytest.approx([0.005, 0.003, 0.012])
+    assert summary["variants"]["r"]["final_loss_gap_rel"]["within_floor"] is True
+    assert summary["floor"]["val_loss_gap_rel"]["median"] == pytest.approx(0.003)
+    assert summary["variants"]["r"]["holds"] is True
+    text = converge_seeds.table(summary)
+    assert "median of its [2, 2, 1] nudged runs" in text and "nudged BF16 #2" in text
+
+
 def test_a_failed_seed_never_holds(tmp_path):
     paths = [run(tmp_path, s, {"inductor-nudged": (0.01, 0.01), "r": (0.0, 0.0) if s else None}) for s in range(3)]
     summary = converge_seeds.summarize(converge_seeds.load(paths))
