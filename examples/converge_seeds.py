@@ -27,11 +27,13 @@ import sys
 
 from moepass.harness.converge import BASELINE, NUDGED, RERUN, is_nudged
 
+GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
+SIGNED = (("final_loss", "final"), ("val_loss", "val"))
+
+
 def is_floor(name: str) -> bool:
     """The BF16 runs (baseline, rerun, nudged floors): not recipes."""
     return name in (BASELINE, RERUN) or is_nudged(name)
-GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
-SIGNED = (("final_loss", "final"), ("val_loss", "val"))
 
 
 def load(paths: list[str]) -> list[dict]:

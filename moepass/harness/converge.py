@@ -27,6 +27,8 @@ from .variants import BASELINE, Variant, parse_custom_variant, resolve_variants
 
 RERUN = f"{BASELINE}-rerun"  # --repeat-baseline: the same baseline trained again
 NUDGED = f"{BASELINE}-nudged"  # --nudged-baseline: the baseline from weights moved by an ulp or two
+NUDGE = 2.0**-7  # relative: at least one bf16 ulp (bf16's spacing is 2^-8 to 2^-7 of the value)
+SCHEMA = "moepass.converge/1"
 
 
 def nudged_name(k: int) -> str:
@@ -42,8 +44,6 @@ def nudge_seed(seed: int, name: str) -> int:
     """The sign pattern of a nudged floor: seed + 1 for the first (as every earlier run), far apart for the rest."""
     k = 1 if name == NUDGED else int(name[len(NUDGED) + 1:])
     return seed + 1 + 7919 * (k - 1)
-NUDGE = 2.0**-7  # relative: at least one bf16 ulp (bf16's spacing is 2^-8 to 2^-7 of the value)
-SCHEMA = "moepass.converge/1"
 
 
 def nudge_weights(model: torch.nn.Module, seed: int) -> None:

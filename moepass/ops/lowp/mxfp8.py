@@ -49,7 +49,7 @@ def _to_mx_along_cols(t: Tensor, scale_rounding: str, kernel: str):
 def dequantized_rows(t: Tensor, scale_rounding: str) -> Tensor:
     """t [R, C] quantized to MXFP8 along C (1x32 blocks) and dequantized to t's dtype: torchao's emulated numerics
     (to_mx, then MXTensor.dequantize's e4m3 -> BF16 cast times the BF16 power-of-two scale; exact), in plain torch
-    so Inductor can fuse it (decomp.py)."""
+    so Inductor can fuse it (mxfp8_decomp.py)."""
     from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
 
     scale, q = to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding))
