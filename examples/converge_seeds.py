@@ -25,7 +25,7 @@ import pathlib
 import statistics
 import sys
 
-from moepass.harness.converge import BASELINE, NUDGED, RERUN, is_nudged
+from moepass.harness.converge import BASELINE, RERUN, is_nudged, nudged_index
 
 GAPS = (("final_loss_gap_rel", "final-loss gap"), ("val_loss_gap_rel", "val-loss gap"))
 SIGNED = (("final_loss", "final"), ("val_loss", "val"))
@@ -77,7 +77,7 @@ def gap(run: dict, variant: str, key: str) -> float | None:
 
 
 def nudged_runs(run: dict) -> list[str]:
-    return sorted((n for n in run["variants"] if is_nudged(n)), key=lambda n: (len(n), n))
+    return sorted((n for n in run["variants"] if is_nudged(n)), key=nudged_index)
 
 
 def signed(run: dict, variant: str, key: str) -> float | None:
@@ -138,7 +138,8 @@ def table(summary: dict) -> str:
         lines.append(f"\n{label + ' vs BF16':<16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
                      + "  (signed: run - BF16)")
         for name, per_seed in summary["signed"].items():
-            label = f"nudged BF16{name[len(NUDGED):].replace('-', ' #')}" if is_nudged(name) else name
+            k = nudged_index(name)
+            label = name if k is None else "nudged BF16" + (f" #{k}" if k > 1 else "")
             lines.append(f"{label:<16} " + " ".join(f"{signs(x):>9}" for x in per_seed[key]))
     lines.append("")
     for name, entry in summary["variants"].items():

@@ -36,14 +36,21 @@ def nudged_name(k: int) -> str:
     return NUDGED if k == 1 else f"{NUDGED}-{k}"
 
 
+def nudged_index(name: str) -> int | None:
+    """k for the k-th nudged floor's name (nudged_name(k)), None for any other run."""
+    if name == NUDGED:
+        return 1
+    k = name[len(NUDGED) + 1:] if name.startswith(f"{NUDGED}-") else ""
+    return int(k) if k.isdigit() else None
+
+
 def is_nudged(name: str) -> bool:
-    return name == NUDGED or (name.startswith(f"{NUDGED}-") and name[len(NUDGED) + 1:].isdigit())
+    return nudged_index(name) is not None
 
 
 def nudge_seed(seed: int, name: str) -> int:
     """The sign pattern of a nudged floor: seed + 1 for the first (as every earlier run), far apart for the rest."""
-    k = 1 if name == NUDGED else int(name[len(NUDGED) + 1:])
-    return seed + 1 + 7919 * (k - 1)
+    return seed + 1 + 7919 * (nudged_index(name) - 1)
 
 
 def nudge_weights(model: torch.nn.Module, seed: int) -> None:
@@ -162,7 +169,7 @@ def cmd_converge(args) -> int:
         f"{args.seq}, data {args.data or 'stdlib source (bytes)'}; {[v.name for v in variants]}")
 
     nudged = [nudged_name(k) for k in range(1, args.nudged_baseline + 1)]
-    nudged += sorted((n for n in reused if is_nudged(n) and n not in nudged), key=lambda n: nudge_seed(0, n))
+    nudged += sorted((n for n in reused if is_nudged(n) and n not in nudged), key=nudged_index)
     floors = {RERUN: (args.repeat_baseline or RERUN in reused, "noise_floor_gap_rel", "its own rerun"),
               **{name: (True, "nudged_floor_gap_rel" if name == NUDGED else None,
                         "itself from weights nudged by an ulp" + ("" if name == NUDGED else f" ({name})"))
