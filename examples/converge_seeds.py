@@ -10,6 +10,12 @@ floor's median is then taken over all of them, every seed's pooled. The signed d
 printed too: where the nudged runs and the recipes of a seed land on one side of its BF16 run, the gaps of that
 seed measure that BF16 run's own place as much as any recipe.
 
+The median criterion compares two noisy numbers: a run that perturbs training no more than a nudge fails it about
+half the time. So a rank test is printed beside it (it does not change the verdict): in each seed, the recipe's gap
+ranks among that seed's nudged gaps (1 = smallest of n + 1); if the recipe were just another nudge, each rank
+would be uniform and independent across seeds, which gives the chance `p` of a rank sum at least as high. A small
+p says the recipe moves training more than a nudge does; a large one says these seeds cannot tell them apart.
+
     python examples/converge_seeds.py RUN_DIR [RUN_DIR ...] [--out seeds.json]
 
 RUN_DIR: a converge --out directory (holding converge.json); every run must share the config except its seed.
@@ -24,6 +30,7 @@ import json
 import pathlib
 import statistics
 import sys
+from collections import defaultdict
 
 from moepass.harness.converge import BASELINE, RERUN, is_nudged, nudged_index
 
@@ -86,6 +93,24 @@ def signed(run: dict, variant: str, key: str) -> float | None:
     return None if v is None or v.get("status") != "ok" else (v[key] - base[key]) / base[key]
 
 
+def rank_among(g: float, floor: list[float]) -> float:
+    """1-based rank of a gap among its seed's nudged gaps and itself; a tie counts half."""
+    return 1 + sum(f < g for f in floor) + 0.5 * sum(f == g for f in floor)
+
+
+def rank_sum_p(ranks: list[float], floor_sizes: list[int]) -> float:
+    """P(sum of ranks >= observed) when each seed's rank is uniform on 1..n+1 (n: its nudged runs), independently."""
+    dist = {0: 1.0}
+    for n in floor_sizes:
+        step = defaultdict(float)
+        for total, p in dist.items():
+            for r in range(1, n + 2):
+                step[total + r] += p / (n + 1)
+        dist = step
+    observed = sum(ranks)
+    return sum(p for total, p in dist.items() if total >= observed - 1e-9)
+
+
 def summarize(runs: list[dict]) -> dict:
     variants = list(dict.fromkeys(n for r in runs for n in r["variants"] if not is_floor(n)))
     out = {"seeds": [r["config"]["seed"] for r in runs], "config": {k: v for k, v in runs[0]["config"].items()
@@ -107,6 +132,10 @@ def summarize(runs: list[dict]) -> dict:
             floor = out["floor"][key]["median"]
             entry[key] = {"per_seed": per_seed, "median": med,
                           "within_floor": med is not None and floor is not None and med <= floor}
+            floors = [[gap(r, n, key) for n in nudged_runs(r)] for r in runs]
+            if None not in per_seed and all(None not in f for f in floors):
+                ranks = [rank_among(g, f) for g, f in zip(per_seed, floors)]
+                entry[key].update(ranks=ranks, rank_p=rank_sum_p(ranks, [len(f) for f in floors]))
         entry["holds"] = all(entry[key]["within_floor"] for key, _ in GAPS)
         out["variants"][name] = entry
     # The gaps are magnitudes. With their signs: where the nudged run and a recipe land on the same side of BF16
@@ -141,6 +170,15 @@ def table(summary: dict) -> str:
             k = nudged_index(name)
             label = name if k is None else "nudged BF16" + (f" #{k}" if k > 1 else "")
             lines.append(f"{label:<16} " + " ".join(f"{signs(x):>9}" for x in per_seed[key]))
+    lines.append("\nrank of each gap among its seed's nudged gaps (1 = smallest); p: the chance of a rank sum this "
+                 "high if the recipe moved training no more than a nudge")
+    for key, label in GAPS:
+        for name, entry in summary["variants"].items():
+            e = entry[key]
+            if "ranks" in e:
+                lines.append(f"{label:<15} {name:<18} " + " ".join(f"{r:>4g}" for r in e["ranks"])
+                             + f"  of {[n + 1 for n in summary['floor'][key]['runs_per_seed']]}  p = "
+                               f"{e['rank_p']:.2f}")
     lines.append("")
     for name, entry in summary["variants"].items():
         lines.append(f"{name}: {'holds' if entry['holds'] else 'does not hold'} (median final-loss and val-loss "

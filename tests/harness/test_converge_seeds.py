@@ -84,6 +84,28 @@ def test_several_nudged_runs_per_seed_pool_into_one_floor(tmp_path, capsys):
     assert "median of its [2, 2, 1] nudged runs" in text and "nudged BF16 #2" in text
 
 
+def test_rank_test_against_each_seeds_nudged_gaps(tmp_path):
+    # final: r above every nudge of every seed (ranks 4, 4, 4 of 4: p = 1/64); val: below every nudge (p = 1)
+    nudges = ((0.002, 0.004), (0.003, 0.005), (0.004, 0.006))
+    paths = []
+    for s in range(3):
+        named = {("inductor-nudged" if k == 0 else f"inductor-nudged-{k + 1}"): g for k, g in enumerate(nudges)}
+        paths.append(run(tmp_path, s, {**named, "r": (0.010, 0.001), "tie": (0.003, 0.005)}))
+    summary = converge_seeds.summarize(converge_seeds.load(paths))
+    final = summary["variants"]["r"]["final_loss_gap_rel"]
+    assert final["ranks"] == [4, 4, 4] and final["rank_p"] == pytest.approx(1 / 64)
+    assert summary["variants"]["r"]["val_loss_gap_rel"]["rank_p"] == pytest.approx(1.0)
+    assert summary["variants"]["tie"]["final_loss_gap_rel"]["ranks"] == [2.5, 2.5, 2.5]  # a tie counts half
+    assert "p = 0.02" in converge_seeds.table(summary)
+
+
+def test_rank_sum_p_is_the_exact_tail_of_independent_uniform_ranks():
+    assert converge_seeds.rank_sum_p([2], [1]) == pytest.approx(0.5)  # one nudge: rank 1 or 2
+    assert converge_seeds.rank_sum_p([1, 1], [3, 1]) == pytest.approx(1.0)
+    # two seeds, 1 and 3 nudges: sums >= 5 of (1..2) + (1..4): (1,4), (2,3), (2,4) of 8
+    assert converge_seeds.rank_sum_p([2, 3], [1, 3]) == pytest.approx(3 / 8)
+
+
 def test_a_failed_seed_never_holds(tmp_path):
     paths = [run(tmp_path, s, {"inductor-nudged": (0.01, 0.01), "r": (0.0, 0.0) if s else None}) for s in range(3)]
     summary = converge_seeds.summarize(converge_seeds.load(paths))
