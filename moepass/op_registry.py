@@ -53,13 +53,16 @@ class RowsForm:
     grouped_mm: object  # OpOverloadPacket: moepass::<recipe>_grouped_mm_rows(x, x_q, x_scale, w_t, offs, ...)
     gemm: object  # OpOverloadPacket: moepass::<recipe>_grouped_mm_on_rows(x_q, x_scale, w_t, offs, ...), without x
     kernels: tuple[str, ...]  # the kernels (the ops' last argument) that have it
+    fp8_wgrad_on_rows: bool  # an FP8 wgrad stays FP8 on saved FP8 rows (else it runs BF16 on them: RowGemms says why)
 
 
 _ROWS_FORMS: dict[object, RowsForm] = {}  # grouped forward OpOverloadPacket -> its rows form
 
 
-def register_rows_form(forward_op, quantize, grouped_mm, gemm, kernels: tuple[str, ...]) -> None:
-    _ROWS_FORMS[_packet(forward_op)] = RowsForm(_packet(quantize), _packet(grouped_mm), _packet(gemm), kernels)
+def register_rows_form(forward_op, quantize, grouped_mm, gemm, kernels: tuple[str, ...],
+                       fp8_wgrad_on_rows: bool) -> None:
+    _ROWS_FORMS[_packet(forward_op)] = RowsForm(_packet(quantize), _packet(grouped_mm), _packet(gemm), kernels,
+                                                fp8_wgrad_on_rows)
 
 
 def rows_form(op) -> RowsForm | None:

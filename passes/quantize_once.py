@@ -142,11 +142,20 @@ def _rewrite(graph: fx.Graph, node: fx.Node, form, config, record, quantized: di
     with graph.inserting_before(node):
         q, scale, gathers = _quantized_rows(Emitter(graph, value.fake_mode), x, form, tuple(settings), kernel,
                                             quantized)
-    saved_fp8 = config["quantize_once.saved_rows"] == "fp8"
+    saved_fp8 = _keeps_fp8_rows(config["quantize_once.saved_rows"], form, wgrad_bf16)
     new = replace_node(graph, node, form.grouped_mm.default, (x, q, scale, w_t, offs, saved_fp8, *rest))
     where = f"quantized before {gathers} gather(s) of rows" if gathers else "quantized where they are"
     saved = "FP8 rows saved for the wgrad" if saved_fp8 else "BF16 rows saved for the wgrad"
     record.replace(node, module, f"moepass.{new.target.name().split('::')[-1]}", f"rows {where}; {saved}")
+
+
+def _keeps_fp8_rows(saved_rows: str, form, wgrad_bf16) -> bool:
+    """quantize_once.saved_rows for one GEMM. "auto" keeps FP8 rows wherever the wgrad keeps its precision on them
+    (a BF16 wgrad, or a recipe whose FP8 wgrad re-quantizes them exactly); where FP8 rows would turn the recipe's FP8
+    wgrad into a BF16 one (blockwise), it keeps BF16 rows and the wgrad is the grouped op's, bit for bit."""
+    if saved_rows == "auto":
+        return wgrad_bf16 is True or form.fp8_wgrad_on_rows
+    return saved_rows == "fp8"
 
 
 def _quantized_rows(emit: Emitter, x: fx.Node, form, settings: tuple, kernel: str, quantized: dict):
@@ -232,7 +241,8 @@ def _bf16_readers(rows: fx.Node, detach: fx.Node) -> str | None:
                 return problem
         elif is_rows_form(user.target) and user.args[0] is rows and rows not in user.args[1:]:
             if user.args[5] is not True:
-                return f"{user.name} keeps BF16 rows for its wgrad (quantize_once.saved_rows='bf16')"
+                return (f"{user.name} keeps BF16 rows for its wgrad (quantize_once.saved_rows 'bf16', or 'auto' "
+                        "under a recipe whose FP8 wgrad needs them)")
         else:
             return f"{user.name} ({user.target if isinstance(user.target, str) else user.target.__name__}) reads them"
     return None

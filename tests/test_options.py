@@ -8,7 +8,7 @@ from moepass.options import DEFAULT_PASSES, OPTIONS, PIPELINE, Config, OptionsEr
 
 def test_defaults_run_the_default_passes_in_pipeline_order():
     config = Config.from_options(None)
-    assert config.pipeline == DEFAULT_PASSES == tuple(p for p in PIPELINE if p != "quantize_once")
+    assert config.pipeline == DEFAULT_PASSES == PIPELINE
     assert config["mxfp8.scale_rounding"] == "rceil"
     assert config["lowp.keep_router_bf16"] and config["lowp.keep_output_head_bf16"]
 

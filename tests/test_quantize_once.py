@@ -160,6 +160,23 @@ def test_pass_quantizes_the_token_rows_once_for_w1_and_w3(how):
     assert report["ops_after"]["moepass.fp8_rowwise_grouped_mm_rows"] == 3
 
 
+@pytest.mark.parametrize("recipe, wgrad_bf16, saved", [
+    ("fp8_rowwise", False, "FP8"),  # its FP8 wgrad re-quantizes the saved FP8 rows exactly
+    ("blockwise", True, "FP8"),  # a BF16 wgrad reads dequantized rows at its own precision
+    ("blockwise", False, "BF16"),  # FP8 rows would turn its FP8 wgrad into a BF16 one: BF16 rows kept
+])
+def test_saved_rows_auto_keeps_fp8_rows_where_the_wgrad_keeps_its_precision(recipe, wgrad_bf16, saved):
+    x, _, idx, offs, _ = _problem(4)
+    torch._dynamo.reset()
+    options = {"recipe": recipe, f"{recipe}.kernel": "emulated", f"{recipe}.wgrad_bf16": wgrad_bf16,
+               "inductor": False, "passes": ["grouped_mm", "quantize_once"]}
+    with moepass.collecting() as report:
+        out = torch.compile(Experts("getitem"), backend="moepass", options=options)(x, idx, offs)
+        out.float().square().sum().backward()
+    rewrites = {p["name"]: p for p in report.to_dict()["passes"]}["quantize_once"]["rewrites"]
+    assert len(rewrites) == 3 and all(f"{saved} rows saved for the wgrad" in r["detail"] for r in rewrites), rewrites
+
+
 def test_pass_leaves_a_recipe_without_rows_form_alone_with_the_reason():
     x, _, idx, offs, _ = _problem(3)
     torch._dynamo.reset()
@@ -275,7 +292,7 @@ def check_bf16_saved_rows_keep_the_bf16_dispatch(rank, world_size):
     _, _, report = _ep_step(model, tokens, options)
     skipped = {p["name"]: p for p in report["passes"]}["quantize_once"]["skipped"]
     assert len(skipped) == 1 and "dispatch sends BF16" in skipped[0]["reason"], skipped
-    assert "quantize_once.saved_rows='bf16'" in skipped[0]["reason"]
+    assert "keeps BF16 rows for its wgrad (quantize_once.saved_rows 'bf16'" in skipped[0]["reason"]
     assert report["ops_after"]["moepass.ep_dispatch"] == 1
 
 

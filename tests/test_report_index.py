@@ -15,6 +15,7 @@ from torch import fx, nn
 
 import moepass
 from moepass.cache_key import CompiledGraphAudit
+from moepass.options import DEFAULT_PASSES
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
 
@@ -70,7 +71,7 @@ def test_every_graph_has_its_own_report_and_code_on_disk(per_block_run):
         assert _read(folder / "report.json")["graph"] == line
         assert (folder / "report.html").read_text().count("diff before") == 1
         assert (out / f"graph_{line['graph']}_0_before.py").exists()
-        assert (out / f"graph_{line['graph']}_3_after_linear.py").exists()
+        assert (out / f"graph_{line['graph']}_{len(DEFAULT_PASSES)}_after_linear.py").exists()
     page = (out / "report.html").read_text()
     assert all(f"href='graphs/{i}/report.html'" in page for i in range(3))
     assert [line["module"] for line in index["graphs"][:2]] == ["layers.0", "layers.1"]

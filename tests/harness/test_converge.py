@@ -11,6 +11,7 @@ import pytest
 from helpers import TINY
 from moepass.harness import converge
 from moepass.harness.parity import loss_gaps
+from moepass.options import DEFAULT_PASSES
 
 STEPS, WINDOW, TOLERANCE = 8, 3, 0.05
 
@@ -38,7 +39,7 @@ def test_json_schema(converge_run):
     assert result["config"]["optimizer"].startswith("AdamW")
     for key in ("hardware", "versions", "commit", "command"):
         assert key in result
-    assert result["variants"]["moepass"]["options"]["passes"] == ["deepep", "grouped_mm", "linear"]
+    assert result["variants"]["moepass"]["options"]["passes"] == list(DEFAULT_PASSES)
     assert result["variants"]["inductor"]["backend"] == "inductor"
 
 

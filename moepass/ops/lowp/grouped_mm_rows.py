@@ -119,7 +119,7 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
     for gemm_op in (op, recipe.op("grouped_mm_on_rows")):
         register_gemm(gemm_op, "grouped", "forward")
     register_rows_form(recipe.op("grouped_mm"), recipe.op("quantize_rows"), recipe.op("grouped_mm_rows"),
-                       recipe.op("grouped_mm_on_rows"), rows.kernels)
+                       recipe.op("grouped_mm_on_rows"), rows.kernels, rows.fp8_wgrad_on_rows)
 
 
 def rows_decompositions(recipe: Recipe) -> dict:
