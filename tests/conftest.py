@@ -6,10 +6,6 @@ import sys
 # step: 55 s -> 38 s on 2 cores, same loss). Set before torch is imported: Inductor reads it then, and every rank
 # process and CLI subprocess a test starts inherits it. Export TORCHINDUCTOR_VEC_ISA_OK=1 to test vectorized code.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-# Inductor compiles in the test's own process instead of a pool of compile workers: with two pytest-xdist workers on
-# CI's two cores, and rank pools and CLI subprocesses each starting their own pool, the pools oversubscribe the cores
-# and each costs a start-up (the bench, EP-model and backend tests: 75 s -> 69 s here).
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
