@@ -255,7 +255,9 @@ class Report:
         if groups:
             lines.append("skipped (left in BF16 / unchanged):")
             for (name, reason), modules in groups.items():
-                shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+                # a module skipped for one reason at several GEMMs (an expert block's w1, w3, w2) is named once
+                named = [m if n == 1 else f"{m} (x{n})" for m, n in Counter(modules).items()]
+                shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
                 lines.append(f"  [{name}] {shown}: {reason}")
         return "\n".join(lines)
 

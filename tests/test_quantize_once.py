@@ -186,6 +186,8 @@ def test_pass_leaves_a_recipe_without_rows_form_alone_with_the_reason():
             x, idx, offs)
     skipped = {p["name"]: p for p in report.to_dict()["passes"]}["quantize_once"]["skipped"]
     assert len(skipped) == 3 and all("no rows form" in s["reason"] for s in skipped), skipped
+    # the summary names the module once for its three GEMMs (w1, w3, w2)
+    assert f"[quantize_once] {skipped[0]['module'] or '<top>'} (x3): " in report.summary(), report.summary()
 
 
 def test_an_unexpected_error_leaves_the_gemm_as_grouped_mm_left_it(monkeypatch):
