@@ -15,8 +15,9 @@ def _moepass(*args, timeout=900):
     return out.stdout
 
 
-@pytest.mark.extended  # ~18 s: CI runs `moepass demo`, which inspects the same model through the CLI and prints this table; report.save's
+# ~18 s: CI runs `moepass demo`, which inspects the same model through the CLI and prints this table; report.save's
 # files are checked by tests/test_backend_e2e.py::test_report_save_writes_json_code_and_html
+@pytest.mark.extended
 def test_inspect_prints_table_and_saves_report(tmp_path):
     stdout = _moepass("inspect", "--layers", "2", "--batch", "2", "--seq", "32", "--out", str(tmp_path))
     assert "grouped_mm" in stdout and "router gate" in stdout and "output head" in stdout
