@@ -10,7 +10,7 @@ example torchao_fp8) gets the ratio of the two speedups. Peak memory is reported
     python examples/per_layer.py deep/bench.json shallow/bench.json --peer torchao_fp8 [--out per_layer.json]
 
 Both runs must share every config entry except n_layers, and the extra layers must all be MoE layers
-(n_dense_layers below the shallow depth), else the script refuses and names what differs.
+(n_dense_layers at most the shallow depth), else the script refuses and names what differs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import sys
 
 
 def _layers(run: dict) -> int:
-    return run["config"]["model"]["overrides"]["n_layers"]
+    layers = run["config"]["model"].get("overrides", {}).get("n_layers")
+    if layers is None:
+        raise SystemExit("per_layer: a run's bench.json records no n_layers; run `moepass bench` with --layers")
+    return layers
 
 
 def _without_depth(run: dict) -> dict:
@@ -33,12 +36,12 @@ def _without_depth(run: dict) -> dict:
 
 def per_layer(deep: dict, shallow: dict, peer: str | None = None) -> dict:
     """Per-MoE-layer step time, speedup and (at the deeper run) peak memory of every variant both runs hold."""
+    extra = _layers(deep) - _layers(shallow)
     if _without_depth(deep) != _without_depth(shallow):
         diff = sorted(k for k in set(deep["config"]) | set(shallow["config"])
                       if deep["config"].get(k) != shallow["config"].get(k))
         raise SystemExit(f"per_layer: the two runs differ in more than their depth ({', '.join(diff)}); "
                          "run both with the same command but --layers")
-    extra = _layers(deep) - _layers(shallow)
     if extra <= 0:
         raise SystemExit(f"per_layer: give the deeper run first ({_layers(deep)} layers, then {_layers(shallow)})")
     dense = deep["config"]["model"]["overrides"].get("n_dense_layers", 0)

@@ -58,6 +58,14 @@ def test_runs_that_do_not_isolate_moe_layers_are_refused(deep_kw, shallow_kw, pr
         per_layer.per_layer(deep, shallow)
 
 
+def test_a_run_without_its_depth_is_refused():
+    shallow = bench(2, {"inductor": 400.0}, PEAKS)
+    deep = bench(5, {"inductor": 800.0}, PEAKS)
+    del deep["config"]["model"]["overrides"]["n_layers"]
+    with pytest.raises(SystemExit, match="no n_layers; run `moepass bench` with --layers"):
+        per_layer.per_layer(deep, shallow)
+
+
 def test_cli_writes_the_json(tmp_path, capsys):
     paths = []
     for layers, ms in ((5, 800.0), (2, 400.0)):
