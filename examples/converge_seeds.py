@@ -117,8 +117,10 @@ def summarize(runs: list[dict]) -> dict:
                                                                     if k != "seed"},
            "runs": [r["paths"] for r in runs], "commits": sorted({str(c) for r in runs for c in r["commits"]}),
            "floor": {}, "variants": {}}
+    # each seed's nudged gaps, per gap kind: pooled into the floor, and each recipe's rank test reads its seed's
+    floors = {key: [[gap(r, n, key) for n in nudged_runs(r)] for r in runs] for key, _ in GAPS}
     for key, _ in GAPS:  # every nudged run of every seed: one pooled sample of the floor
-        per_seed = [[gap(r, n, key) for n in nudged_runs(r)] for r in runs]
+        per_seed = floors[key]
         pooled = [g for gaps in per_seed for g in gaps]
         out["floor"][key] = {
             "per_seed": [None if None in gaps else statistics.median(gaps) for gaps in per_seed],
@@ -132,10 +134,9 @@ def summarize(runs: list[dict]) -> dict:
             floor = out["floor"][key]["median"]
             entry[key] = {"per_seed": per_seed, "median": med,
                           "within_floor": med is not None and floor is not None and med <= floor}
-            floors = [[gap(r, n, key) for n in nudged_runs(r)] for r in runs]
-            if None not in per_seed and all(None not in f for f in floors):
-                ranks = [rank_among(g, f) for g, f in zip(per_seed, floors)]
-                entry[key].update(ranks=ranks, rank_p=rank_sum_p(ranks, [len(f) for f in floors]))
+            if None not in per_seed and all(None not in f for f in floors[key]):
+                ranks = [rank_among(g, f) for g, f in zip(per_seed, floors[key])]
+                entry[key].update(ranks=ranks, rank_p=rank_sum_p(ranks, [len(f) for f in floors[key]]))
         entry["holds"] = all(entry[key]["within_floor"] for key, _ in GAPS)
         out["variants"][name] = entry
     # The gaps are magnitudes. With their signs: where the nudged run and a recipe land on the same side of BF16

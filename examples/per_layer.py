@@ -16,6 +16,7 @@ Both runs must share every config entry except n_layers, and the extra layers mu
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import pathlib
 import sys
@@ -29,7 +30,7 @@ def _layers(run: dict) -> int:
 
 
 def _without_depth(run: dict) -> dict:
-    config = json.loads(json.dumps(run["config"]))
+    config = copy.deepcopy(run["config"])
     config["model"]["overrides"].pop("n_layers")
     return config
 

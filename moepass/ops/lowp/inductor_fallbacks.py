@@ -1,11 +1,24 @@
-"""Inductor lowerings for moepass ops whose decomposition may decline (returns NotImplemented: kernel "emulated",
-say), shared by every recipe that hands Inductor a decomposition table.
+"""Decompositions that may decline, and the Inductor lowerings for the ops they decline (returns NotImplemented:
+kernel "emulated", say), shared by every recipe that hands Inductor a decomposition table.
 
 Inductor refuses to create a fallback on the fly for an op that has an entry in its decomposition table ("both a
 fallback and a decomp for same op"), so register, once per op, the fallback it would have made.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def decomposition(body: Callable, applies: Callable, *, forward: bool = False) -> Callable:
+    """A moepass GEMM op's decomposition: `body(*args)` (the plain torch its kernel runs) where `applies(args)` holds,
+    else NotImplemented (the op stays one call). The ops take their kernel last; a forward op also carries, just
+    before it, the wgrad_bf16 its backward reads, which `body` does not take (forward=True drops it)."""
+    def decompose(*args):
+        if not applies(args):
+            return NotImplemented
+        return body(*args[:-2], args[-1]) if forward else body(*args)
+    return decompose
 
 
 def register_fallbacks(ops) -> None:

@@ -22,51 +22,26 @@ import functools
 import torch
 
 from . import mxfp8
-from .inductor_fallbacks import register_fallbacks
+from .inductor_fallbacks import decomposition, register_fallbacks
 
 FUSED_ON = ("cuda",)  # device types whose emulated ops are decomposed (a test adds "cpu")
 
 
-def _fused(t: torch.Tensor, kernel: str) -> bool:
-    return kernel == "emulated" and t.device.type in FUSED_ON
-
-
-def _decompose_linear(x, weight, bias, scale_rounding, wgrad_bf16, kernel):
-    return mxfp8.linear_forward(x, weight, bias, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
-
-
-def _decompose_linear_dgrad(grad_out, weight, scale_rounding, kernel):
-    return mxfp8.linear_dgrad(grad_out, weight, scale_rounding, kernel) if _fused(grad_out, kernel) else NotImplemented
-
-
-def _decompose_linear_wgrad(grad_out, x, scale_rounding, kernel):
-    return mxfp8.linear_wgrad(grad_out, x, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
-
-
-def _decompose_grouped_mm(x, w_t, offs, scale_rounding, wgrad_bf16, kernel):
-    return mxfp8.grouped_forward(x, w_t, offs, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
-
-
-def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, scale_rounding, kernel):
-    if not _fused(grad_out, kernel):
-        return NotImplemented
-    return mxfp8.grouped_dgrad(grad_out, w_t, offs, scale_rounding, kernel)
-
-
-def _decompose_grouped_mm_wgrad(grad_out, x, offs, scale_rounding, kernel):
-    return mxfp8.grouped_wgrad(grad_out, x, offs, scale_rounding, kernel) if _fused(x, kernel) else NotImplemented
+def _fused(args: tuple) -> bool:
+    """Kernel "emulated" (the ops' last argument) on a device in FUSED_ON (read at each call: a test extends it)."""
+    return args[-1] == "emulated" and args[0].device.type in FUSED_ON
 
 
 def mxfp8_decompositions() -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
     ops = torch.ops.moepass
     return {
-        ops.mxfp8_linear.default: _decompose_linear,
-        ops.mxfp8_linear_dgrad.default: _decompose_linear_dgrad,
-        ops.mxfp8_linear_wgrad.default: _decompose_linear_wgrad,
-        ops.mxfp8_grouped_mm.default: _decompose_grouped_mm,
-        ops.mxfp8_grouped_mm_dgrad.default: _decompose_grouped_mm_dgrad,
-        ops.mxfp8_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
+        ops.mxfp8_linear.default: decomposition(mxfp8.linear_forward, _fused, forward=True),
+        ops.mxfp8_linear_dgrad.default: decomposition(mxfp8.linear_dgrad, _fused),
+        ops.mxfp8_linear_wgrad.default: decomposition(mxfp8.linear_wgrad, _fused),
+        ops.mxfp8_grouped_mm.default: decomposition(mxfp8.grouped_forward, _fused, forward=True),
+        ops.mxfp8_grouped_mm_dgrad.default: decomposition(mxfp8.grouped_dgrad, _fused),
+        ops.mxfp8_grouped_mm_wgrad.default: decomposition(mxfp8.grouped_wgrad, _fused),
     }
 
 

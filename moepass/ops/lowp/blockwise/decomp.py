@@ -20,54 +20,26 @@ import functools
 
 import torch
 
-from ..inductor_fallbacks import register_fallbacks
+from ..inductor_fallbacks import decomposition, register_fallbacks
 from . import grouped_mm, linear, quant
 
 
-def _decompose_linear(x, weight, bias, wgrad_bf16, kernel):
-    return linear.forward(x, weight, bias, kernel) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_linear_dgrad(grad_out, weight, kernel):
-    return linear.dgrad(grad_out, weight, kernel) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_linear_wgrad(grad_out, x, kernel):
-    return linear.wgrad(grad_out, x, kernel) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_grouped_mm(x, w_t, offs, wgrad_bf16, kernel):
-    return grouped_mm.forward(x, w_t, offs, kernel) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_grouped_mm_dgrad(grad_out, w_t, offs, kernel):
-    return grouped_mm.dgrad(grad_out, w_t, offs, kernel) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
-    return grouped_mm.wgrad(grad_out, x, offs, kernel) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_quantize_rows(x, kernel):
-    return quant.quantize_tiles(x) if kernel == "scaled_mm" else NotImplemented
-
-
-def _decompose_grouped_mm_on_rows(x_q, x_scale, w_t, offs, kernel):
-    return grouped_mm.forward_rows(x_q, x_scale, w_t, offs, kernel) if kernel == "scaled_mm" else NotImplemented
+def _scaled_mm(args: tuple) -> bool:
+    return args[-1] == "scaled_mm"  # the ops' last argument: their kernel
 
 
 def blockwise_decompositions() -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
     ops = torch.ops.moepass
     return {
-        ops.blockwise_quantize_rows.default: _decompose_quantize_rows,
-        ops.blockwise_grouped_mm_on_rows.default: _decompose_grouped_mm_on_rows,
-        ops.blockwise_linear.default: _decompose_linear,
-        ops.blockwise_linear_dgrad.default: _decompose_linear_dgrad,
-        ops.blockwise_linear_wgrad.default: _decompose_linear_wgrad,
-        ops.blockwise_grouped_mm.default: _decompose_grouped_mm,
-        ops.blockwise_grouped_mm_dgrad.default: _decompose_grouped_mm_dgrad,
-        ops.blockwise_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
+        ops.blockwise_quantize_rows.default: decomposition(lambda x, kernel: quant.quantize_tiles(x), _scaled_mm),
+        ops.blockwise_grouped_mm_on_rows.default: decomposition(grouped_mm.forward_rows, _scaled_mm),
+        ops.blockwise_linear.default: decomposition(linear.forward, _scaled_mm, forward=True),
+        ops.blockwise_linear_dgrad.default: decomposition(linear.dgrad, _scaled_mm),
+        ops.blockwise_linear_wgrad.default: decomposition(linear.wgrad, _scaled_mm),
+        ops.blockwise_grouped_mm.default: decomposition(grouped_mm.forward, _scaled_mm, forward=True),
+        ops.blockwise_grouped_mm_dgrad.default: decomposition(grouped_mm.dgrad, _scaled_mm),
+        ops.blockwise_grouped_mm_wgrad.default: decomposition(grouped_mm.wgrad, _scaled_mm),
     }
 
 
