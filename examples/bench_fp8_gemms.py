@@ -358,7 +358,29 @@ def bench_blockwise_grouped(x, w_t, offs, g, run) -> dict:
         "fwd": lambda kernel: ops.blockwise_grouped_mm(x, w_t, offs, False, kernel),
         "dgrad": lambda kernel: ops.blockwise_grouped_mm_dgrad(g, w_t, offs, kernel),
         "wgrad": lambda kernel: ops.blockwise_grouped_mm_wgrad(g, x, offs, kernel)})
+    row["gemm_only_ms"] = bench_blockwise_grouped_gemms(x, w_t, offs, g, run)
     return row
+
+
+def bench_blockwise_grouped_gemms(x, w_t, offs, g, run) -> dict:
+    """The three grouped GEMMs alone on operands quantized beforehand, for every blockwise grouped kernel that runs
+    here ("scaled_mm": one torch._scaled_mm per token group; "triton": moepass's two Triton kernels)."""
+    from moepass.ops.lowp.blockwise import gemm, kernels, quant
+    from moepass.ops.lowp.mxfp8_token_groups import pad_token_groups, plan_token_group_padding
+
+    plan = plan_token_group_padding(offs, x.shape[0], quant.TILE)
+    operands = {"fwd": (*quant.quantize_tiles(x), *quant.quantize_blocks(w_t.transpose(-2, -1)), offs),
+                "dgrad": (*quant.quantize_tiles(g), *quant.quantize_blocks(w_t), offs),
+                "wgrad": (*quant.quantize_tiles(pad_token_groups(g, plan).t()),
+                          *quant.quantize_tiles(pad_token_groups(x, plan).t()), plan.padded_offs)}
+    out = {}
+    for kernel in ("scaled_mm", "triton"):
+        problem = kernels.kernel_problem(kernel, torch.device(DEVICE), True)
+        if problem:
+            out[kernel] = {"skipped": problem}
+            continue
+        out[kernel] = {name: round(run(lambda a=a: gemm.grouped_mm_nt(*a, kernel)), 4) for name, a in operands.items()}
+    return out
 
 
 # ---- the recipe's thresholds from the measurements --------------------------------------------------
@@ -528,6 +550,7 @@ def parse_args(argv=None):
     p.add_argument("--models", default="16B,671B", help="comma-separated flavors to measure")
     p.add_argument("--more-shapes", action="store_true", help="also the dense FFNs and smaller expert batches")
     p.add_argument("--no-grouped", action="store_true", help="linears only")
+    p.add_argument("--no-linear", action="store_true", help="grouped expert GEMMs only")
     p.add_argument("--sweep", action="store_true", help="also the size sweep behind the thresholds (slow)")
     p.add_argument("--eager", action="store_true", help="also time the ops uncompiled")
     p.add_argument("--train-step", action="store_true", help="also time a compiled linear forward+backward")
@@ -557,7 +580,7 @@ def parse_args(argv=None):
 
 def shape_lists(args) -> tuple[list, list]:
     models = set(args.models.split(","))
-    linears = LINEARS + (MORE_LINEARS if args.more_shapes else [])
+    linears = [] if args.no_linear else LINEARS + (MORE_LINEARS if args.more_shapes else [])
     grouped = [] if args.no_grouped else GROUPED + (MORE_GROUPED if args.more_shapes else [])
     return [s for s in linears if s[0] in models], [s for s in grouped if s[0] in models]
 

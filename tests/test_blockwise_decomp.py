@@ -28,11 +28,12 @@ GEMM_OPS = {ops.blockwise_scaled_mm.default, ops.blockwise_scaled_grouped_mm.def
 
 @pytest.fixture
 def blockwise_scaled_mm_on_cpu(monkeypatch):
-    """Let kernel "scaled_mm" pass the blockwise ops' checks on CPU (its opaque GEMM ops emulate there)."""
+    """Let kernels "scaled_mm" and "triton" pass the blockwise ops' checks on CPU (their opaque GEMM ops emulate
+    there)."""
     original_problem, original_choice = kernels.kernel_problem, kernels.choose_blockwise_kernel
 
     def problem(kernel, device, grouped):
-        if kernel == "scaled_mm" and torch.device(device).type == "cpu":
+        if kernel in decomp.DECOMPOSED and torch.device(device).type == "cpu":
             return None
         return original_problem(kernel, device, grouped)
 
@@ -107,6 +108,8 @@ def _gemm_op_cases():
         "mm_tiles": (ops.blockwise_scaled_mm, (a_q, a_s, bt_q, bt_s, False), (a_q, a_s, bt_q, bt_s, False)),
         "grouped": (ops.blockwise_scaled_grouped_mm, (a_q, a_s, w_q, w_s, offs), None),
         "grouped_wgrad": (ops.blockwise_scaled_grouped_mm, (p_q, p_s, k_q, k_s, padded_ends), None),
+        "triton_grouped": (ops.blockwise_triton_grouped_mm, (a_q, a_s, w_q, w_s, offs), None),
+        "triton_grouped_wgrad": (ops.blockwise_triton_grouped_mm, (p_q, p_s, k_q, k_s, padded_ends), None),
     }
 
 
@@ -120,11 +123,12 @@ def test_gemm_ops_opcheck_and_emulate_on_cpu(name):
         assert torch.equal(op(*args), gemm.emulated_mm_nt(*emulated_args))
 
 
-def test_grouped_gemm_op_zeroes_rows_after_the_last_group_and_empty_groups():
-    op, (a_q, a_s, w_q, w_s, offs), _ = _gemm_op_cases()["grouped"]
+@pytest.mark.parametrize("form", ["", "triton_"])
+def test_grouped_gemm_op_zeroes_rows_after_the_last_group_and_empty_groups(form):
+    op, (a_q, a_s, w_q, w_s, offs), _ = _gemm_op_cases()[f"{form}grouped"]
     out = op(a_q, a_s, w_q, w_s, offs)
     assert out.shape == (40, 128) and not out[33:].any() and out[:33].any()
-    _, (p_q, p_s, k_q, k_s, ends), _ = _gemm_op_cases()["grouped_wgrad"]
+    _, (p_q, p_s, k_q, k_s, ends), _ = _gemm_op_cases()[f"{form}grouped_wgrad"]
     grad_w = op(p_q, p_s, k_q, k_s, ends)
     assert grad_w.shape == (3, 128, 256) and not grad_w[1].any() and grad_w[0].any()
 
@@ -147,15 +151,16 @@ def test_linear_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_on
     assert_all_equal(direct, want, f"decomposition {x_shape}")
 
 
+@pytest.mark.parametrize("kernel", decomp.DECOMPOSED)
 @pytest.mark.parametrize("sizes, trailing", GROUPED_CASES)
-def test_grouped_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_on_cpu, sizes, trailing):
+def test_grouped_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_on_cpu, sizes, trailing, kernel):
     x, w_t, offs, g = grouped_inputs(sizes, 128, 256, seed=sum(sizes), trailing_tokens=trailing)
     want = forward_backward(_grouped(offs, "emulated"), g, x, w_t)
-    assert_all_equal(forward_backward(_grouped(offs, "scaled_mm"), g, x, w_t), want, f"eager op {sizes}")
+    assert_all_equal(forward_backward(_grouped(offs, kernel), g, x, w_t), want, f"eager op {sizes}")
     table = decomp.blockwise_decompositions()
-    direct = (table[ops.blockwise_grouped_mm.default](x, w_t, offs, False, "scaled_mm"),
-              table[ops.blockwise_grouped_mm_dgrad.default](g, w_t, offs, "scaled_mm"),
-              table[ops.blockwise_grouped_mm_wgrad.default](g, x, offs, "scaled_mm"))
+    direct = (table[ops.blockwise_grouped_mm.default](x, w_t, offs, False, kernel),
+              table[ops.blockwise_grouped_mm_dgrad.default](g, w_t, offs, kernel),
+              table[ops.blockwise_grouped_mm_wgrad.default](g, x, offs, kernel))
     assert_all_equal(direct, want, f"decomposition {sizes}")
 
 
@@ -194,6 +199,28 @@ def test_aot_graphs_hold_the_gemm_ops_and_no_blockwise_op(blockwise_scaled_mm_on
     assert not (graphs["fw"] | graphs["bw"]) & BLOCKWISE_OPS
     assert torch.ops.aten.amax.default in graphs["fw"] and torch.ops.aten.amax.default in graphs["bw"]
     assert_all_equal(got, forward_backward(lambda *a: _block(*a, "emulated"), g, x, w, w_t, offs), "block")
+
+
+def test_triton_kernel_graphs_hold_its_grouped_gemm_op_and_the_linears_scaled_mm(blockwise_scaled_mm_on_cpu):
+    """Kernel "triton" serves grouped GEMMs only (the recipe gives linears "scaled_mm"): its grouped ops decompose
+    around moepass::blockwise_triton_grouped_mm, in the forward and both backward GEMMs, bit-equal to emulated."""
+    g, x, w, w_t, offs = _block_inputs(8)
+
+    def block(x, w, w_t, offs, kernels):
+        h = ops.blockwise_linear(x, w, None, False, kernels[0])
+        return ops.blockwise_grouped_mm(torch.relu(h).reshape(-1, h.shape[-1]), w_t, offs, False, kernels[1])
+
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: block(*a, ("scaled_mm", "triton")), backend=_graphs_backend(graphs),
+                             fullgraph=True)
+    got = forward_backward(compiled, g, x, w, w_t, offs)
+    triton_op = ops.blockwise_triton_grouped_mm.default
+    assert triton_op in graphs["fw"] and triton_op in graphs["bw"]
+    assert ops.blockwise_scaled_grouped_mm.default not in graphs["fw"] | graphs["bw"]
+    assert ops.blockwise_scaled_mm.default in graphs["fw"] and not (graphs["fw"] | graphs["bw"]) & BLOCKWISE_OPS
+    want = forward_backward(lambda *a: block(*a, ("emulated", "emulated")), g, x, w, w_t, offs)
+    assert_all_equal(got, want, "block")
 
 
 def test_emulated_graphs_keep_the_ops():

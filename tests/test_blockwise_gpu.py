@@ -46,12 +46,58 @@ def test_kernel_choice_names_the_device():
         kernel, reason = kernels.choose_blockwise_kernel(torch.device("cuda"), grouped)
         assert f"sm_{CC[0]}{CC[1]}" in reason and torch.cuda.get_device_name() in reason, reason
         if CC[0] == 9 and _torch_takes_blockwise_scales() is None:
-            assert kernel in (("scaled_mm", "deepgemm") if grouped else ("scaled_mm",)), reason
+            assert kernel in (("scaled_mm", "triton", "deepgemm") if grouped else ("scaled_mm",)), reason
 
 
 @needs_sm90
 def test_the_scaled_mm_probe_passes_on_hopper(scaled_mm):
     assert kernels.kernel_problem("scaled_mm", torch.device("cuda"), False) is None
+
+
+@needs_sm90
+def test_the_triton_check_passes_on_hopper():
+    assert kernels.kernel_problem("triton", torch.device("cuda"), True) is None
+
+
+def _triton():
+    problem = kernels.kernel_problem("triton", torch.device("cuda"), True)
+    if problem:
+        pytest.skip(problem)
+
+
+# ---- the Triton grouped kernels against the emulated GEMM: skewed, empty and partial groups, DeepSeek-V3's dims ----
+
+@pytest.mark.parametrize("sizes, k, n, trailing", [
+    ([0, 1, 127, 129, 3000, 0], 256, 384, 7),  # groups off the row tiles, empty first and last groups, trailing rows
+    ([4096] * 4, 7168, 2048, 0),  # the 671B dims' expert forward (dgrad: K and N swapped below)
+    ([3000, 96, 1000], 2048, 7168, 0)])
+def test_triton_m_grouped_gemm_matches_the_emulated_gemm(sizes, k, n, trailing):
+    _triton()
+    from moepass.ops.lowp.blockwise import triton_grouped
+
+    gen = torch.Generator().manual_seed(sum(sizes) + k)
+    x = torch.randn(sum(sizes) + trailing, k, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, generator=gen).to("cuda", torch.bfloat16)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    args = (*quant.quantize_tiles(x), *quant.quantize_blocks(w), ends)
+    got, want = triton_grouped.grouped_mm_nt(*args), gemm._grouped_mm_nt(*args, "emulated")
+    assert got.shape == want.shape and sqnr(want, got) >= CLOSE_TO_EMULATED_DB, f"{sqnr(want, got):.1f} dB"
+    assert not got[sum(sizes):].any()
+
+
+@pytest.mark.parametrize("sizes, n, k", [([128, 0, 384, 2048], 384, 256), ([4096] * 4, 2048, 7168)])
+def test_triton_k_grouped_gemm_matches_the_emulated_gemm(sizes, n, k):
+    _triton()
+    from moepass.ops.lowp.blockwise import triton_grouped
+
+    gen = torch.Generator().manual_seed(sum(sizes) + n)
+    a = torch.randn(n, sum(sizes), generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(k, sum(sizes), generator=gen).to("cuda", torch.bfloat16)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    args = (*quant.quantize_tiles(a), *quant.quantize_tiles(b), ends)
+    got, want = triton_grouped.grouped_mm_nt(*args), gemm._grouped_mm_nt(*args, "emulated")
+    assert got.shape == want.shape == (len(sizes), n, k) and sqnr(want, got) >= CLOSE_TO_EMULATED_DB
+    assert all(not got[i].any() for i, size in enumerate(sizes) if size == 0)
 
 
 # ---- the GEMM itself: both scale forms, shapes that need padding (M % 16, K / 128 % 4) --------------------
@@ -89,19 +135,22 @@ def test_linear_scaled_mm_matches_emulated_and_clears_the_bars(scaled_mm, x_shap
 
 
 @needs_sm90
+@pytest.mark.parametrize("kernel", ["scaled_mm", "triton"])
 @pytest.mark.parametrize("sizes, k, n, trailing", [([70, 0, 130, 33], 256, 384, 5), ([1024, 512, 2048], 2048, 1536, 0)])
-def test_grouped_scaled_mm_matches_emulated_and_clears_the_bars(scaled_mm, sizes, k, n, trailing):
+def test_grouped_kernels_match_emulated_and_clear_the_bars(scaled_mm, sizes, k, n, trailing, kernel):
+    if kernel == "triton":
+        _triton()
     x, w_t, offs, g = grouped_inputs(sizes, k, n, seed=2100, device="cuda", trailing_tokens=trailing)
 
     def run(kernel):
         return forward_backward(lambda a, b: ops.blockwise_grouped_mm(a, b, offs, False, kernel), g, x, w_t)
 
-    got, want = run("scaled_mm"), run("emulated")
+    got, want = run(kernel), run("emulated")
     for name, a, b in zip(("out", "grad_x", "grad_w_t"), got, want):
         assert sqnr(b, a) >= CLOSE_TO_EMULATED_DB, f"{name}: {sqnr(b, a):.1f} dB from emulated"
     end = offs[-1].item()
     assert not got[0][end:].any() and not got[1][end:].any()  # tokens after the last group
-    assert_sqnr(grouped_reference(x, w_t, offs, g), got, SQNR_BARS, f"grouped {sizes} on scaled_mm")
+    assert_sqnr(grouped_reference(x, w_t, offs, g), got, SQNR_BARS, f"grouped {sizes} on {kernel}")
 
 
 def test_deepgemm_matches_emulated_where_it_passed_its_self_check():
@@ -148,7 +197,7 @@ def test_debug_model_compiled_with_recipe_blockwise_trains_on_the_real_kernels(s
     passes = {p["name"]: p for p in report.to_dict()["passes"]}
     assert passes["grouped_mm"]["replaced"] >= 3 and passes["linear"]["replaced"] >= 12
     assert set(passes["linear"]["implementations"]) == {"scaled_mm"}
-    assert set(passes["grouped_mm"]["implementations"]) <= {"scaled_mm", "deepgemm"}
+    assert set(passes["grouped_mm"]["implementations"]) <= {"scaled_mm", "triton", "deepgemm"}
 
 
 # ---- Inductor: the decomposed ops (quantization fused by Inductor, the GEMM opaque) against the eager ops --------
@@ -203,15 +252,19 @@ def test_compiled_blockwise_linear_equals_the_eager_op(scaled_mm, division_round
 
 
 @needs_sm90
-def test_compiled_blockwise_grouped_mm_equals_the_eager_op(scaled_mm):
+@pytest.mark.parametrize("kernel, gemm_op", [("scaled_mm", "moepass.blockwise_scaled_grouped_mm"),
+                                             ("triton", "moepass.blockwise_triton_grouped_mm")])
+def test_compiled_blockwise_grouped_mm_equals_the_eager_op(scaled_mm, kernel, gemm_op):
     """The grouped ops decomposed likewise (per-group token padding of the wgrad in plain torch, no host sync); the
-    per-group GEMM loop stays in moepass::blockwise_scaled_grouped_mm. Bit for bit under div_rn division."""
+    GEMMs stay in their opaque op (the per-group loop, or the Triton kernels). Bit for bit under div_rn division."""
     import moepass
 
     if not _has_inductor_config(DIVISION_ROUNDING):
         pytest.skip(f"this torch's Inductor has no {DIVISION_ROUNDING}")
+    if kernel == "triton":
+        _triton()
     x, w_t, offs, g = grouped_inputs([70, 0, 130, 33], 256, 384, seed=2400, device="cuda", trailing_tokens=5)
-    fn = lambda a, b: ops.blockwise_grouped_mm(a, b, offs, False, "scaled_mm")  # noqa: E731
+    fn = lambda a, b: ops.blockwise_grouped_mm(a, b, offs, False, kernel)  # noqa: E731
     torch._dynamo.reset()
     with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
@@ -220,8 +273,8 @@ def test_compiled_blockwise_grouped_mm_equals_the_eager_op(scaled_mm):
                                                       "inductor.options": {DIVISION_ROUNDING: True}}), g, x, w_t)
     want = forward_backward(fn, g, x, w_t)
     compiled = {c["kind"]: c["ops"] for c in report.compiled}
-    assert compiled["forward"].get("moepass.blockwise_scaled_grouped_mm") == 1, compiled
-    assert compiled["backward"].get("moepass.blockwise_scaled_grouped_mm") == 2, compiled
+    assert compiled["forward"].get(gemm_op) == 1, compiled
+    assert compiled["backward"].get(gemm_op) == 2, compiled
     assert not any(op.startswith("moepass.blockwise_grouped") for ops_ in compiled.values() for op in ops_), compiled
     for name, a, b in zip(("out", "grad_x", "grad_w_t"), got, want):
         assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max()}"

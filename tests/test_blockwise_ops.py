@@ -308,7 +308,7 @@ def test_k_or_n_off_the_128_block_is_rejected_naming_the_fix():
 
 def test_bad_kernel_names_and_kernels_that_cannot_run_here_are_refused():
     x, w, _ = linear_inputs((32, 128), 128, seed=43)
-    with pytest.raises(ValueError, match=r"'emulated', 'scaled_mm', 'deepgemm'"):
+    with pytest.raises(ValueError, match=r"'emulated', 'scaled_mm', 'triton', 'deepgemm'"):
         ops.blockwise_linear(x, w, None, False, "cutlass")
     with pytest.raises(RuntimeError, match=r"kernel='scaled_mm' cannot run here: CPU.*kernel='emulated'"):
         ops.blockwise_linear(x, w, None, False, "scaled_mm")
@@ -321,15 +321,17 @@ def test_bad_kernel_names_and_kernels_that_cannot_run_here_are_refused():
 
 @pytest.fixture
 def cuda_capability(monkeypatch):
-    """Pretend this process sees one CUDA GPU of the given compute capability; the device probes answer `scaled_mm`
-    and `deepgemm` (None: usable) instead of running anything."""
-    def set_capability(major, minor, scaled_mm=None, deepgemm="deep_gemm is not installed"):
+    """Pretend this process sees one CUDA GPU of the given compute capability; the device probes answer `scaled_mm`,
+    `triton` and `deepgemm` (None: usable) instead of running anything."""
+    def set_capability(major, minor, scaled_mm=None, deepgemm="deep_gemm is not installed",
+                       triton="triton is not installed"):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Test GPU sm_{major}{minor}")
         monkeypatch.setattr(kernels, "_scaled_mm_problem_on", lambda index: scaled_mm)
         monkeypatch.setattr(kernels, "_deepgemm_problem_on", lambda index: deepgemm)
+        monkeypatch.setattr(kernels, "_triton_problem_on", lambda index: triton)
     return set_capability
 
 
@@ -350,12 +352,34 @@ def test_cpu_runs_the_emulated_kernel_saying_why():
                   torch.device("cpu"), 256, 256, 128)
 
 
-def test_sm90_linears_take_scaled_mm_and_grouped_gemms_the_per_group_loop_without_deepgemm(cuda_capability):
+def test_sm90_linears_take_scaled_mm_and_grouped_gemms_the_per_group_loop_without_deepgemm_or_triton(cuda_capability):
     cuda_capability(9, 0)
     linear, grouped = _plan("linear"), _plan("grouped")
     assert linear.kernel == "scaled_mm" and "torch._scaled_mm" in linear.kernel_why and "sm_90" in linear.kernel_why
     assert grouped.kernel == "scaled_mm" and "one per token group" in grouped.kernel_why
-    assert "deep_gemm is not installed" in grouped.kernel_why
+    assert "deep_gemm is not installed" in grouped.kernel_why and "triton is not installed" in grouped.kernel_why
+
+
+def test_sm90_grouped_gemms_take_the_triton_kernels_once_they_pass_their_check(cuda_capability):
+    cuda_capability(9, 0, triton=None)
+    grouped = _plan("grouped")
+    assert grouped.kernel == "triton" and "Triton" in grouped.kernel_why and "deep_gemm is not installed" in grouped.kernel_why
+    assert grouped.recipe_args == (False, "triton") and _plan("linear").kernel == "scaled_mm"
+    assert _plan("linear", **{"blockwise.kernel": "triton"}).kernel == "scaled_mm"  # Triton: grouped only
+    assert _plan("grouped", **{"blockwise.kernel": "scaled_mm"}).kernel == "scaled_mm"
+    cuda_capability(9, 0, triton=None, deepgemm=None)
+    assert _plan("grouped").kernel == "deepgemm"  # DeepGEMM first where it passed its own check
+    assert _plan("grouped", **{"blockwise.kernel": "triton"}).kernel == "triton"
+
+
+def test_a_failed_triton_check_is_the_reason_and_a_request_for_it_is_refused(cuda_capability):
+    cuda_capability(9, 0, triton="the Triton K-grouped (wgrad) kernel failed: out of resources")
+    grouped = _plan("grouped")
+    assert grouped.kernel == "scaled_mm" and "out of resources" in grouped.kernel_why
+    with pytest.raises(OptionsError, match=r"blockwise.kernel='triton' requested but .*out of resources"):
+        _plan("grouped", **{"blockwise.kernel": "triton"})
+    cuda_capability(8, 0, triton=None)  # no FP8 tensor cores: never asked
+    assert "sm_89 or newer" in _plan("grouped").text
 
 
 def test_sm90_grouped_gemms_take_deepgemm_once_it_passes_its_self_check(cuda_capability):

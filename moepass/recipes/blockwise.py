@@ -8,7 +8,7 @@ zero rows to a multiple of 128, each expert's token group on its own (tiles neve
 
 Kernels (ops/lowp/blockwise/kernels.py chooses per device and GEMM kind): torch._scaled_mm with blockwise scales on
 sm_90; grouped GEMMs through DeepGEMM (torchao 0.18's blockwise grouped op) when it is installed and passes a one-time
-self-check, else torch._scaled_mm per token group; "emulated" (the numerics reference: dequantize, fp32 GEMM) on
+self-check, else moepass's Triton grouped kernels (self-checked once), else torch._scaled_mm per token group; "emulated" (the numerics reference: dequantize, fp32 GEMM) on
 CPU; no kernel elsewhere (the GEMM stays BF16 with the reason). Opt-in (`recipe="blockwise"`): recipe="auto" never
 picks it until measured. Its ops: moepass/ops/lowp/blockwise/. Kernel "scaled_mm" ops are decomposed for Inductor
 into their quantization in plain torch (fused by Inductor) around the opaque GEMM ops moepass::blockwise_scaled_mm and
@@ -41,7 +41,8 @@ class BlockwiseRecipe(Recipe):
             return choose_blockwise_kernel(device, grouped)
         if requested == "emulated":
             return "emulated", "blockwise.kernel='emulated' requested (dequantized operands, fp32 GEMM)"
-        kernel = "scaled_mm" if requested == "deepgemm" and not grouped else requested  # DeepGEMM: grouped only
+        # DeepGEMM and the Triton kernels: grouped GEMMs only, linears on torch._scaled_mm
+        kernel = "scaled_mm" if requested in ("deepgemm", "triton") and not grouped else requested
         problem = kernel_problem(kernel, torch.device(device), grouped)
         if problem:
             raise OptionsError(f"moepass: blockwise.kernel={requested!r} requested but {problem}. "

@@ -1,11 +1,12 @@
-"""The blockwise ops' "scaled_mm" kernel handed to Inductor as plain torch around two opaque GEMM ops.
+"""The blockwise ops' "scaled_mm" and "triton" kernels handed to Inductor as plain torch around opaque GEMM ops.
 
 Inside the opaque moepass::blockwise_* ops the 1x128 / 128x128 quantization ran as eager torch, one kernel per
 reshape, amax, divide, clamp and cast (on an H200 at DeepSeek-V3's dims, ~300 ms of a 758 ms step against ~60 ms of
 GEMMs). Decomposed by AOTAutograd, each op becomes the code its own body runs for kernel "scaled_mm" (linear.py,
 grouped_mm.py: quant.quantize_tiles / quantize_blocks on the operands as the GEMM reads them, the wgrad's token
 padding included, then gemm.mm_nt / grouped_mm_nt), which Inductor fuses into a reduction kernel per operand (into
-the operand's producer where it can), leaving moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm opaque:
+the operand's producer where it can), leaving moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (kernel
+"triton": blockwise_triton_grouped_mm) opaque:
 they take quantized operands and scales and run torch._scaled_mm (gemm.py keeps the scale layouts and the K / row
 padding cuBLASLt needs). They must stay opaque: Inductor's _scaled_mm lowering refuses blockwise scales once shapes
 are symbolic. Same code eager and compiled, so the same numbers (scales are amax * fp32(1/448): see quant.py).
@@ -24,22 +25,25 @@ from ..inductor_fallbacks import decomposition, register_fallbacks
 from . import grouped_mm, linear, quant
 
 
-def _scaled_mm(args: tuple) -> bool:
-    return args[-1] == "scaled_mm"  # the ops' last argument: their kernel
+DECOMPOSED = ("scaled_mm", "triton")  # the kernels whose GEMMs are opaque ops on quantized operands
+
+
+def _decomposed(args: tuple) -> bool:
+    return args[-1] in DECOMPOSED  # the ops' last argument: their kernel
 
 
 def blockwise_decompositions() -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
     ops = torch.ops.moepass
     return {
-        ops.blockwise_quantize_rows.default: decomposition(lambda x, kernel: quant.quantize_tiles(x), _scaled_mm),
-        ops.blockwise_grouped_mm_on_rows.default: decomposition(grouped_mm.forward_rows, _scaled_mm),
-        ops.blockwise_linear.default: decomposition(linear.forward, _scaled_mm, forward=True),
-        ops.blockwise_linear_dgrad.default: decomposition(linear.dgrad, _scaled_mm),
-        ops.blockwise_linear_wgrad.default: decomposition(linear.wgrad, _scaled_mm),
-        ops.blockwise_grouped_mm.default: decomposition(grouped_mm.forward, _scaled_mm, forward=True),
-        ops.blockwise_grouped_mm_dgrad.default: decomposition(grouped_mm.dgrad, _scaled_mm),
-        ops.blockwise_grouped_mm_wgrad.default: decomposition(grouped_mm.wgrad, _scaled_mm),
+        ops.blockwise_quantize_rows.default: decomposition(lambda x, kernel: quant.quantize_tiles(x), _decomposed),
+        ops.blockwise_grouped_mm_on_rows.default: decomposition(grouped_mm.forward_rows, _decomposed),
+        ops.blockwise_linear.default: decomposition(linear.forward, _decomposed, forward=True),
+        ops.blockwise_linear_dgrad.default: decomposition(linear.dgrad, _decomposed),
+        ops.blockwise_linear_wgrad.default: decomposition(linear.wgrad, _decomposed),
+        ops.blockwise_grouped_mm.default: decomposition(grouped_mm.forward, _decomposed, forward=True),
+        ops.blockwise_grouped_mm_dgrad.default: decomposition(grouped_mm.dgrad, _decomposed),
+        ops.blockwise_grouped_mm_wgrad.default: decomposition(grouped_mm.wgrad, _decomposed),
     }
 
 

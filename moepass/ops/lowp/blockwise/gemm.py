@@ -17,6 +17,8 @@ copy). A's rows are zero-padded to a multiple of 16 likewise, so every scale col
 Kernel "scaled_mm" runs through the opaque ops moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (quantized
 operands in, bf16 out; one GEMM per token group for the grouped one), which the decompositions of decomp.py leave in
 compiled graphs; on CPU their body is the emulated GEMM (tests compare compiled graphs with "emulated" bit for bit).
+Kernel "triton" is kernel "scaled_mm" with its grouped GEMMs in moepass::blockwise_triton_grouped_mm instead (every
+token group in one Triton launch: triton_grouped.py); its linears are kernel "scaled_mm"'s.
 """
 
 from __future__ import annotations
@@ -124,11 +126,27 @@ def blockwise_scaled_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_sca
     return _grouped_mm_nt(a_q, a_scale, b_q, b_scale, offs, _device_kernel(a_q))
 
 
-@blockwise_scaled_grouped_mm.register_fake
-def _(a_q, a_scale, b_q, b_scale, offs):
+def _grouped_mm_fake(a_q, a_scale, b_q, b_scale, offs):
     if b_q.dim() == 3:
         return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=BF16)
     return a_q.new_empty(offs.shape[0], a_q.shape[0], b_q.shape[0], dtype=BF16)
+
+
+blockwise_scaled_grouped_mm.register_fake(_grouped_mm_fake)
+
+
+@torch.library.custom_op("moepass::blockwise_triton_grouped_mm", mutates_args=())
+def blockwise_triton_grouped_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
+    """The grouped GEMMs of blockwise_scaled_grouped_mm in one Triton launch each, no host sync (triton_grouped.py;
+    kernel "triton"); emulated on CPU, like the op above."""
+    if a_q.device.type != "cuda":
+        return _grouped_mm_nt(a_q, a_scale, b_q, b_scale, offs, "emulated")
+    from . import triton_grouped  # needs triton, which a CPU-only torch does not bring
+
+    return triton_grouped.grouped_mm_nt(a_q, a_scale, b_q, b_scale, offs)
+
+
+blockwise_triton_grouped_mm.register_fake(_grouped_mm_fake)
 
 
 def mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b_blocks: bool, kernel: str) -> Tensor:
@@ -140,7 +158,10 @@ def mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, b_blocks: 
 
 
 def grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, offs: Tensor, kernel: str) -> Tensor:
-    """_grouped_mm_nt for kernel "emulated" or "scaled_mm" (the latter through moepass::blockwise_scaled_grouped_mm)."""
+    """_grouped_mm_nt for kernel "emulated", "scaled_mm" (through moepass::blockwise_scaled_grouped_mm: one
+    torch._scaled_mm per token group) or "triton" (moepass::blockwise_triton_grouped_mm: one launch)."""
     if kernel == "scaled_mm":
         return torch.ops.moepass.blockwise_scaled_grouped_mm(a_q, a_scale, b_q, b_scale, offs)
+    if kernel == "triton":
+        return torch.ops.moepass.blockwise_triton_grouped_mm(a_q, a_scale, b_q, b_scale, offs)
     return _grouped_mm_nt(a_q, a_scale, b_q, b_scale, offs, kernel)

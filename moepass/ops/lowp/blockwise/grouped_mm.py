@@ -5,10 +5,11 @@ forward  x in 1x128 tiles along K (per row: no group crosses a tile), each exper
 dgrad    grad_out in 1x128 tiles along N, each expert's weight in the same blocks, read transposed
 wgrad    grad_out and x in 1x128 tiles along tokens, each group zero-padded to a multiple of 128 rows first
          (mxfp8_token_groups with block 128), so no tile straddles two groups
-Kernels: "deepgemm" (deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm" and "emulated": the
-quantization here in plain torch (no host sync), then gemm.grouped_mm_nt, one GEMM per token group (group bounds read
-on the host: one sync per op); for "scaled_mm" that is the opaque moepass::blockwise_scaled_grouped_mm, and the moepass
-backend decomposes these ops into this code (decomp.py) so that Inductor fuses the quantization. Rows at or after
+Kernels: "deepgemm" (deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm", "triton" and "emulated":
+the quantization here in plain torch (no host sync), then gemm.grouped_mm_nt: for "scaled_mm" the opaque
+moepass::blockwise_scaled_grouped_mm, one GEMM per token group (group bounds read on the host: one sync per op), for
+"triton" the opaque moepass::blockwise_triton_grouped_mm (one launch, no sync); the moepass backend decomposes these
+ops into this code (decomp.py) so that Inductor fuses the quantization. Rows at or after
 offs[-1] belong to no group: their outputs and input gradients are zero.
 """
 
@@ -70,4 +71,5 @@ define_grouped_mm_ops(BLOCKWISE, GEMMS)
 # rows quantized before their gather: 1x128 tiles along K (DeepGEMM quantizes its operands itself: no rows form)
 define_grouped_mm_rows_ops(BLOCKWISE, GEMMS, RowGemms(lambda x, kernel: quant.quantize_tiles(x), forward_rows,
                                                       _dequantize_rows, lambda k: k // quant.TILE,
-                                                      kernels=("scaled_mm", "emulated"), fp8_wgrad_on_rows=False))
+                                                      kernels=("scaled_mm", "triton", "emulated"),
+                                                      fp8_wgrad_on_rows=False))

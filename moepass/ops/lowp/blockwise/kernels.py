@@ -4,6 +4,9 @@
   _check_deepseek_support allows its "DeepSeek style" scaling on major 9 alone), torch >= 2.11, a CUDA >= 12.9 build
   (cuBLASLt's blockwise scaling); checked once per device by running it against the emulated GEMM. Grouped GEMMs
   run it once per token group.
+"triton": grouped GEMMs as moepass's two Triton kernels (triton_grouped.py: every token group in one launch, no host
+  sync), linears on "scaled_mm"; where triton imports, the GPU has FP8 tensor cores, and a one-time check against the
+  emulated GEMM passes.
 "deepgemm": grouped GEMMs through DeepGEMM (torchao 0.18's blockwise grouped kernels; deepgemm.py), only when
   `deep_gemm` is installed and a one-time self-check against the emulated ops passes in a separate process (a DeepGEMM
   build has been seen to segfault at its first grouped kernel: a crash there must not take the training job down).
@@ -24,7 +27,7 @@ import torch
 from moepass.device_arch import CudaDevice, probe
 from moepass.recipes.blockwise import BLOCKWISE
 
-KERNELS = ("emulated", "scaled_mm", "deepgemm")
+KERNELS = ("emulated", "scaled_mm", "triton", "deepgemm")
 EMULATED = ("the same quantization, dequantized operands and an fp32 GEMM; runs on CPU and any CUDA GPU, slower "
             "than BF16")
 MIN_TORCH = (2, 11)  # blockwise scales through torch._scaled_mm measured on H200 from torch 2.11
@@ -37,7 +40,8 @@ DEEPGEMM_CHECK_MODULE = "moepass.ops.lowp.blockwise.deepgemm_check"
 def check_kernel_name(kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}: 'scaled_mm' = torch._scaled_mm with blockwise "
-                         "scales (sm_90), 'deepgemm' = DeepGEMM grouped GEMMs, 'emulated' = the reference numerics")
+                         "scales (sm_90), 'triton' = moepass's Triton grouped GEMMs, 'deepgemm' = DeepGEMM grouped "
+                         "GEMMs, 'emulated' = the reference numerics")
 
 
 def _version(text: str | None) -> tuple[int, ...]:
@@ -49,6 +53,15 @@ def _no_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 @functools.cache
@@ -69,12 +82,10 @@ def _scaled_mm_problem_on(index: int) -> str | None:
             b_q, b_s = quant.quantize_blocks(b) if b_blocks else quant.quantize_tiles(b)
             form = "1x128 x 128x128" if b_blocks else "1x128 x 1x128"
             try:
-                got = gemm.scaled_mm_nt(a_q, a_s, b_q, b_s, b_blocks).float()
+                got = gemm.scaled_mm_nt(a_q, a_s, b_q, b_s, b_blocks)
             except Exception as e:  # noqa: BLE001  (any refusal means: not on this torch / GPU)
-                said = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                return f"torch._scaled_mm refused {form} blockwise scales: {said}"
-            want = gemm.emulated_mm_nt(a_q, a_s, b_q, b_s, b_blocks).float()
-            error = ((got - want).norm() / want.norm()).item()
+                return f"torch._scaled_mm refused {form} blockwise scales: {_first_line(e)}"
+            error = _relative_error(got, gemm.emulated_mm_nt(a_q, a_s, b_q, b_s, b_blocks))
             if not error <= PROBE_MAX_REL_ERROR:
                 return (f"torch._scaled_mm with {form} blockwise scales is off the emulated GEMM by {error:.3g} "
                         f"(relative; allowed {PROBE_MAX_REL_ERROR})")
@@ -86,6 +97,46 @@ def scaled_mm_problem(cuda: CudaDevice) -> str | None:
         return f"{cuda}: torch._scaled_mm takes blockwise (1x128, 128x128) scales on sm_90 only"
     problem = _scaled_mm_problem_on(int(cuda.label.split(":")[1]))
     return f"{cuda}: {problem}" if problem else None
+
+
+@functools.cache
+def _triton_problem_on(index: int) -> str | None:
+    """None when moepass's Triton grouped kernels run on cuda:<index> and match the emulated GEMM in both forms
+    (an empty group, rows after the last group, a group that is not a whole row tile), else why."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    from . import gemm, quant
+
+    with _no_modes(), torch.no_grad():
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        device = f"cuda:{index}"
+        ends = torch.tensor([70, 70, 200], dtype=torch.int32, device=device)
+        x = torch.randn(205, 256, generator=gen).to(device, torch.bfloat16)
+        w = torch.randn(3, 384, 256, generator=gen).to(device, torch.bfloat16)
+        tokens = torch.randn(128 + 256, 640, generator=gen).to(device, torch.bfloat16).t()  # [N + K, P]: 5 tiles
+        padded_ends = torch.tensor([128, 128, 640], dtype=torch.int32, device=device)
+        cases = {"M-grouped (forward, dgrad)": (*quant.quantize_tiles(x), *quant.quantize_blocks(w), ends),
+                 "K-grouped (wgrad)": (*quant.quantize_tiles(tokens[:128]), *quant.quantize_tiles(tokens[128:]),
+                                       padded_ends)}
+        for form, args in cases.items():
+            try:
+                from . import triton_grouped
+
+                got = triton_grouped.grouped_mm_nt(*args)
+            except Exception as e:  # noqa: BLE001  (a compile or launch failure means: not on this GPU / triton)
+                return f"the Triton {form} kernel failed: {_first_line(e)}"
+            error = _relative_error(got, gemm._grouped_mm_nt(*args, "emulated"))
+            if not error <= PROBE_MAX_REL_ERROR:
+                return (f"the Triton {form} kernel is off the emulated GEMM by {error:.3g} (relative; allowed "
+                        f"{PROBE_MAX_REL_ERROR})")
+    return None
+
+
+def triton_problem(cuda: CudaDevice) -> str | None:
+    if cuda.capability < (8, 9):
+        return f"{cuda}: Triton's FP8 tensor-core dot needs sm_89 or newer"
+    problem = _triton_problem_on(int(cuda.label.split(":")[1]))
+    return f"Triton grouped kernels: {problem}" if problem else None
 
 
 @functools.cache
@@ -132,27 +183,33 @@ def kernel_problem(kernel: str, device: torch.device, grouped: bool) -> str | No
     if kernel == "scaled_mm":
         return scaled_mm_problem(cuda)
     if not grouped:
-        return "DeepGEMM serves the grouped expert GEMMs only (linears run on scaled_mm)"
-    return deepgemm_problem(cuda)
+        return f"kernel {kernel!r} serves the grouped expert GEMMs only (linears run on scaled_mm)"
+    return triton_problem(cuda) if kernel == "triton" else deepgemm_problem(cuda)
 
 
 def choose_blockwise_kernel(device: torch.device | str, grouped: bool) -> tuple[str | None, str]:
     """(kernel, reason a user can read) for a linear (grouped=False) or grouped GEMM on `device`; kernel None: no
-    blockwise FP8 kernel runs here (the GEMM stays BF16)."""
+    blockwise FP8 kernel runs here (the GEMM stays BF16). Grouped GEMMs: DeepGEMM, else moepass's Triton kernels,
+    else torch._scaled_mm per token group."""
     cuda = probe(torch.device(device), "FP8", "blockwise FP8 numerics emulated (dequantized operands, fp32 GEMM)")
     if isinstance(cuda, str):
         return "emulated", cuda
-    no_deepgemm = ""
+    passed_over = []
     if grouped:
-        no_deepgemm = deepgemm_problem(cuda)
-        if no_deepgemm is None:
+        passed_over.append(deepgemm_problem(cuda))
+        if passed_over[-1] is None:
             return "deepgemm", f"{cuda}: DeepGEMM grouped FP8 GEMMs (torchao's blockwise grouped op), self-check passed"
+        passed_over.append(triton_problem(cuda))
+        if passed_over[-1] is None:
+            return "triton", (f"{cuda}: moepass's Triton blockwise grouped GEMMs, one launch per GEMM, self-check "
+                              f"passed ({passed_over[0]})")
     no_scaled_mm = scaled_mm_problem(cuda)
     if no_scaled_mm is None:
         if grouped:
-            return "scaled_mm", f"{cuda}: torch._scaled_mm with blockwise scales, one per token group ({no_deepgemm})"
+            return "scaled_mm", (f"{cuda}: torch._scaled_mm with blockwise scales, one per token group "
+                                 f"({'; '.join(passed_over)})")
         return "scaled_mm", f"{cuda}: torch._scaled_mm with DeepSeek's 1x128 / 128x128 scales"
-    return None, "; ".join(p for p in (no_scaled_mm, no_deepgemm) if p) + \
+    return None, "; ".join(p for p in (no_scaled_mm, *passed_over) if p) + \
         f"; {BLOCKWISE.kernel_option}='emulated' runs its numerics ({EMULATED})"
 
 
