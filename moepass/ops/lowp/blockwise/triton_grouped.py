@@ -25,11 +25,11 @@ from torch import Tensor
 TILE = 128  # the scales' granularity: one K step of the kernels
 BF16 = torch.bfloat16
 
-_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4))]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.autotune(configs=CONFIGS, key=["N", "K"])
 @triton.jit
 def _m_grouped_kernel(a, a_s, b, b_s, ends, out, M, N, K, E,
                       sa_m, sa_k, ssa_m, ssa_k, sb_e, sb_n, sb_k, ssb_e, ssb_n, ssb_k, so_m, so_n,
@@ -73,7 +73,7 @@ def _m_grouped_kernel(a, a_s, b, b_s, ends, out, M, N, K, E,
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.autotune(configs=CONFIGS, key=["N", "K"])
 @triton.jit
 def _k_grouped_kernel(a, a_s, b, b_s, ends, out, N, K,
                       sa_n, sa_p, ssa_n, ssa_p, sb_k, sb_p, ssb_k, ssb_p, so_e, so_n, so_k,
@@ -102,7 +102,16 @@ def _k_grouped_kernel(a, a_s, b, b_s, ends, out, N, K,
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
+def _launcher(autotuned, config: triton.Config | None):
+    """The autotuned kernel, or (config given) the kernel itself at that one config: Triton's interpreter cannot time
+    configs, and a test runs every config so."""
+    if config is None:
+        return autotuned, {}
+    return autotuned.fn, {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor,
+                    config: triton.Config | None = None) -> Tensor:
     """bf16 [M, N]: a_q[group g] @ b_q[g].T, rows after ends[-1] zero (the M-grouped form above)."""
     (m, k), (e, n, _) = a_q.shape, b_q.shape
     out = a_q.new_empty(m, n, dtype=BF16)
@@ -110,28 +119,31 @@ def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, 
         return out
     if k == 0 or e == 0:
         return out.zero_()
+    kernel, fixed = _launcher(_m_grouped_kernel, config)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) + e + 1, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-    _m_grouped_kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, m, n, k, e,
-                            *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
-                            E_PAD=triton.next_power_of_2(e + 1), BLOCK_K=TILE)
+    kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, m, n, k, e,
+                 *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
+                 E_PAD=triton.next_power_of_2(e + 1), BLOCK_K=TILE, **fixed)
     return out
 
 
-def k_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
+def k_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor,
+                    config: triton.Config | None = None) -> Tensor:
     """bf16 [E, N, K]: a_q[:, group g] @ b_q[:, group g].T (the K-grouped form above)."""
     (n, _), k, e = a_q.shape, b_q.shape[0], ends.shape[0]
     out = a_q.new_empty(e, n, k, dtype=BF16)
     if out.numel() == 0:
         return out
+    kernel, fixed = _launcher(_k_grouped_kernel, config)
     grid = lambda meta: (e, triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_N"]))  # noqa: E731
-    _k_grouped_kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, n, k,
-                            *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
-                            BLOCK_K=TILE)
+    kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, n, k,
+                 *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
+                 BLOCK_K=TILE, **fixed)
     return out
 
 
-def grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
+def grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor,
+                  config: triton.Config | None = None) -> Tensor:
     """gemm._grouped_mm_nt's two forms (3-D b_q: M-grouped; 2-D: K-grouped) on the Triton kernels."""
-    if b_q.dim() == 3:
-        return m_grouped_mm_nt(a_q, a_scale, b_q, b_scale, ends)
-    return k_grouped_mm_nt(a_q, a_scale, b_q, b_scale, ends)
+    form = m_grouped_mm_nt if b_q.dim() == 3 else k_grouped_mm_nt
+    return form(a_q, a_scale, b_q, b_scale, ends, config)
