@@ -275,22 +275,23 @@ def _moepass_step(titan, batch, param_shapes=None):
 
 def _reference(spmd_backend: str, fsdp: bool, batch):
     """moepass on the unsharded model, and on it with weights nudged by a bf16 ulp (built in fp32 then cast
-    when the case trains under FSDP2's mixed precision, so both start from the same bf16 weights)."""
+    when the case trains under FSDP2's mixed precision, so both start from the same bf16 weights). Even ranks run
+    the first, odd ranks the second (the same on every rank: the batch is), and they swap results."""
     key = (spmd_backend, fsdp, batch[0].sum().item(), batch[1].sum().item())
     if key not in _references:
         from moepass.harness.converge import nudge_weights
 
         tt = _titan()
-        runs = []
-        for nudge in (False, True):
-            titan = tt.build_parallel("16B-like", spmd_backend=spmd_backend, **SIZES, **(
-                {"dtype": torch.float32} if fsdp else {}))
-            if fsdp:
-                titan.model.to(BF16)
-            if nudge:
-                nudge_weights(titan.model, seed=7)
-            runs.append(_moepass_step(titan, batch))
-        _references[key] = runs
+        nudge = dist.get_rank() % 2 == 1
+        titan = tt.build_parallel("16B-like", spmd_backend=spmd_backend, **SIZES, **(
+            {"dtype": torch.float32} if fsdp else {}))
+        if fsdp:
+            titan.model.to(BF16)
+        if nudge:
+            nudge_weights(titan.model, seed=7)
+        runs = [None] * dist.get_world_size()
+        dist.all_gather_object(runs, _moepass_step(titan, batch))
+        _references[key] = runs[:2]
     return _references[key]
 
 
