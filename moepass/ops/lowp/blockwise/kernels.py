@@ -113,7 +113,7 @@ def _triton_problem_on(index: int) -> str | None:
         ends = torch.tensor([70, 70, 200], dtype=torch.int32, device=device)
         x = torch.randn(205, 256, generator=gen).to(device, torch.bfloat16)
         w = torch.randn(3, 384, 256, generator=gen).to(device, torch.bfloat16)
-        tokens = torch.randn(128 + 256, 640, generator=gen).to(device, torch.bfloat16).t()  # [N + K, P]: 5 tiles
+        tokens = torch.randn(128 + 256, 640, generator=gen).to(device, torch.bfloat16)  # [N + K, P]: 5 tiles
         padded_ends = torch.tensor([128, 128, 640], dtype=torch.int32, device=device)
         cases = {"M-grouped (forward, dgrad)": (*quant.quantize_tiles(x), *quant.quantize_blocks(w), ends),
                  "K-grouped (wgrad)": (*quant.quantize_tiles(tokens[:128]), *quant.quantize_tiles(tokens[128:]),
