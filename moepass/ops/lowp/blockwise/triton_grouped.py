@@ -25,16 +25,27 @@ from torch import Tensor
 TILE = 128  # the scales' granularity: one K step of the kernels
 BF16 = torch.bfloat16
 
+# BLOCK_N divides 128 (one weight-block scale per K step); 128x128 at most: the promotion keeps the block's product
+# beside the accumulator, two fp32 tiles in registers
 CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4))]
+           for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))]
+GROUP_M = 8  # the M-grouped kernel runs 8 row tiles across every column tile before the next 8: A stays in L2
 
 
 @triton.autotune(configs=CONFIGS, key=["N", "K"])
 @triton.jit
 def _m_grouped_kernel(a, a_s, b, b_s, ends, out, M, N, K, E,
                       sa_m, sa_k, ssa_m, ssa_k, sb_e, sb_n, sb_k, ssb_e, ssb_n, ssb_k, so_m, so_n,
-                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid, pid_n = tl.program_id(0), tl.program_id(1)
+                      E_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    # program -> (row-tile slot, column tile), GROUP_M slots at a time across all column tiles; the slots: every
+    # group's row tiles (at most one partial tile each) and the tail's
+    slots = tl.cdiv(M, BLOCK_M) + E + 1
+    width = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first = tl.program_id(0) // width * GROUP_M
+    height = tl.minimum(slots - first, GROUP_M)
+    pid = first + tl.program_id(0) % width % height
+    pid_n = tl.program_id(0) % width // height
     # group bounds: entry E is the tail [ends[E-1], M), entries after it are empty
     idx = tl.arange(0, E_PAD)
     end = tl.where(idx < E, tl.load(ends + idx, mask=idx < E, other=0).to(tl.int32), M)
@@ -78,7 +89,8 @@ def _m_grouped_kernel(a, a_s, b, b_s, ends, out, M, N, K, E,
 def _k_grouped_kernel(a, a_s, b, b_s, ends, out, N, K,
                       sa_n, sa_p, ssa_n, ssa_p, sb_k, sb_p, ssb_k, ssb_p, so_e, so_n, so_k,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    g, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # column tiles fastest, then row tiles, then groups: neighbouring programs share a's rows and the group
+    pid_n, pid_m, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(ends + tl.maximum(g - 1, 0)).to(tl.int32)
     start = tl.where(g > 0, start, 0)
     end = tl.load(ends + g).to(tl.int32)
@@ -110,6 +122,11 @@ def _launcher(autotuned, config: triton.Config | None):
     return autotuned.fn, {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def _column_major(scale: Tensor) -> Tensor:
+    """[R, C] scales with strides (1, R): the kernels read one scale column (R rows' scales of a K step) per step."""
+    return scale.t().contiguous().t()
+
+
 def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor,
                     config: triton.Config | None = None) -> Tensor:
     """bf16 [M, N]: a_q[group g] @ b_q[g].T, rows after ends[-1] zero (the M-grouped form above)."""
@@ -120,10 +137,12 @@ def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, 
     if k == 0 or e == 0:
         return out.zero_()
     kernel, fixed = _launcher(_m_grouped_kernel, config)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) + e + 1, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    a_scale = _column_major(a_scale)
+
+    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e + 1) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, m, n, k, e,
                  *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
-                 E_PAD=triton.next_power_of_2(e + 1), BLOCK_K=TILE, **fixed)
+                 E_PAD=triton.next_power_of_2(e + 1), GROUP_M=GROUP_M, BLOCK_K=TILE, **fixed)
     return out
 
 
@@ -135,7 +154,8 @@ def k_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, 
     if out.numel() == 0:
         return out
     kernel, fixed = _launcher(_k_grouped_kernel, config)
-    grid = lambda meta: (e, triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_N"]))  # noqa: E731
+    a_scale, b_scale = _column_major(a_scale), _column_major(b_scale)
+    grid = lambda meta: (triton.cdiv(k, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]), e)  # noqa: E731
     kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, n, k,
                  *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
                  BLOCK_K=TILE, **fixed)
