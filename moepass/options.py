@@ -148,10 +148,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", "emulated", "sm100")),
     Option("blockwise.kernel", "auto", "blockwise FP8 kernels: auto = on sm_90 torch._scaled_mm for linears, and for "
            "grouped GEMMs DeepGEMM (torchao's blockwise grouped op; when deep_gemm is installed and passes a one-time "
-           "self-check), else moepass's Triton grouped kernels (one launch per GEMM; self-checked once), else "
-           "torch._scaled_mm per token group; emulated on CPU; other GPUs keep BF16. emulated: the reference numerics "
-           "anywhere; triton / deepgemm: grouped GEMMs on those kernels (linears on scaled_mm); scaled_mm: grouped "
-           "GEMMs one torch._scaled_mm per token group", choices=("auto", "emulated", "scaled_mm", "triton", "deepgemm")),
+           "self-check), else torch._scaled_mm per token group (measured faster than the Triton kernels), else "
+           "moepass's Triton grouped kernels (one launch per GEMM; self-checked once); emulated on CPU; other GPUs keep "
+           "BF16. emulated: the reference numerics anywhere; triton / deepgemm: grouped GEMMs on those kernels "
+           "(linears on scaled_mm); scaled_mm: grouped GEMMs one torch._scaled_mm per token group", choices=("auto", "emulated", "scaled_mm", "triton", "deepgemm")),
     Option("blockwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward "
            "and dgrad stay FP8)", choices=(True, False)),
     Option("quantize_once.saved_rows", "auto", "what the quantize_once pass keeps of the experts' input rows for "

@@ -352,30 +352,32 @@ def test_cpu_runs_the_emulated_kernel_saying_why():
                   torch.device("cpu"), 256, 256, 128)
 
 
-def test_sm90_linears_take_scaled_mm_and_grouped_gemms_the_per_group_loop_without_deepgemm_or_triton(cuda_capability):
-    cuda_capability(9, 0)
+def test_sm90_linears_take_scaled_mm_and_grouped_gemms_the_per_group_loop_without_deepgemm(cuda_capability):
+    cuda_capability(9, 0, triton=None)  # the Triton kernels would run: the measured-faster loop is still chosen
     linear, grouped = _plan("linear"), _plan("grouped")
     assert linear.kernel == "scaled_mm" and "torch._scaled_mm" in linear.kernel_why and "sm_90" in linear.kernel_why
     assert grouped.kernel == "scaled_mm" and "one per token group" in grouped.kernel_why
-    assert "deep_gemm is not installed" in grouped.kernel_why and "triton is not installed" in grouped.kernel_why
+    assert "deep_gemm is not installed" in grouped.kernel_why and "blockwise.kernel='triton'" in grouped.kernel_why
 
 
-def test_sm90_grouped_gemms_take_the_triton_kernels_once_they_pass_their_check(cuda_capability):
-    cuda_capability(9, 0, triton=None)
+def test_the_triton_kernels_serve_grouped_gemms_where_scaled_mm_cannot_and_on_request(cuda_capability):
+    cuda_capability(10, 0, triton=None)  # torch._scaled_mm takes blockwise scales on sm_90 only
     grouped = _plan("grouped")
-    assert grouped.kernel == "triton" and "Triton" in grouped.kernel_why and "deep_gemm is not installed" in grouped.kernel_why
-    assert grouped.recipe_args == (False, "triton") and _plan("linear").kernel == "scaled_mm"
+    assert grouped.kernel == "triton" and "Triton" in grouped.kernel_why and "sm_90 only" in grouped.kernel_why
+    assert grouped.recipe_args == (False, "triton")
+    assert _plan("linear").code is SkipCode.NO_KERNEL  # the linears have no blockwise kernel there
+    cuda_capability(9, 0, triton=None)
+    assert _plan("grouped", **{"blockwise.kernel": "triton"}).kernel == "triton"
     assert _plan("linear", **{"blockwise.kernel": "triton"}).kernel == "scaled_mm"  # Triton: grouped only
-    assert _plan("grouped", **{"blockwise.kernel": "scaled_mm"}).kernel == "scaled_mm"
     cuda_capability(9, 0, triton=None, deepgemm=None)
     assert _plan("grouped").kernel == "deepgemm"  # DeepGEMM first where it passed its own check
-    assert _plan("grouped", **{"blockwise.kernel": "triton"}).kernel == "triton"
 
 
 def test_a_failed_triton_check_is_the_reason_and_a_request_for_it_is_refused(cuda_capability):
-    cuda_capability(9, 0, triton="the Triton K-grouped (wgrad) kernel failed: out of resources")
+    cuda_capability(10, 0, triton="the Triton K-grouped (wgrad) kernel failed: out of resources")
     grouped = _plan("grouped")
-    assert grouped.kernel == "scaled_mm" and "out of resources" in grouped.kernel_why
+    assert grouped.code is SkipCode.NO_KERNEL and "out of resources" in grouped.text and "sm_90 only" in grouped.text
+    cuda_capability(9, 0, triton="the Triton K-grouped (wgrad) kernel failed: out of resources")
     with pytest.raises(OptionsError, match=r"blockwise.kernel='triton' requested but .*out of resources"):
         _plan("grouped", **{"blockwise.kernel": "triton"})
     cuda_capability(8, 0, triton=None)  # no FP8 tensor cores: never asked
