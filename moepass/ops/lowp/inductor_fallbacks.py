@@ -21,6 +21,19 @@ def decomposition(body: Callable, applies: Callable, *, forward: bool = False) -
     return decompose
 
 
+GEMM_OPS = ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad")
+FORWARD_OPS = ("linear", "grouped_mm")
+
+
+def gemm_decompositions(recipe: str, bodies: dict[str, Callable], applies: Callable) -> dict:
+    """{moepass::<recipe>_<op>: decomposition} for a recipe's six GEMM ops (GEMM_OPS), each op's body named by op."""
+    import torch
+
+    assert set(bodies) == set(GEMM_OPS), sorted(bodies)
+    return {getattr(torch.ops.moepass, f"{recipe}_{name}").default:
+            decomposition(bodies[name], applies, forward=name in FORWARD_OPS) for name in GEMM_OPS}
+
+
 def register_fallbacks(ops) -> None:
     from torch._inductor.lowering import lowerings, make_fallback
 

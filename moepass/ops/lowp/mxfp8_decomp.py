@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from . import mxfp8
-from .inductor_fallbacks import decomposition, register_fallbacks
+from .inductor_fallbacks import gemm_decompositions, register_fallbacks
 
 FUSED_ON = ("cuda",)  # device types whose emulated ops are decomposed (a test adds "cpu")
 
@@ -34,15 +32,10 @@ def _fused(args: tuple) -> bool:
 
 def mxfp8_decompositions() -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
-    ops = torch.ops.moepass
-    return {
-        ops.mxfp8_linear.default: decomposition(mxfp8.linear_forward, _fused, forward=True),
-        ops.mxfp8_linear_dgrad.default: decomposition(mxfp8.linear_dgrad, _fused),
-        ops.mxfp8_linear_wgrad.default: decomposition(mxfp8.linear_wgrad, _fused),
-        ops.mxfp8_grouped_mm.default: decomposition(mxfp8.grouped_forward, _fused, forward=True),
-        ops.mxfp8_grouped_mm_dgrad.default: decomposition(mxfp8.grouped_dgrad, _fused),
-        ops.mxfp8_grouped_mm_wgrad.default: decomposition(mxfp8.grouped_wgrad, _fused),
-    }
+    return gemm_decompositions("mxfp8", {
+        "linear": mxfp8.linear_forward, "linear_dgrad": mxfp8.linear_dgrad, "linear_wgrad": mxfp8.linear_wgrad,
+        "grouped_mm": mxfp8.grouped_forward, "grouped_mm_dgrad": mxfp8.grouped_dgrad,
+        "grouped_mm_wgrad": mxfp8.grouped_wgrad}, _fused)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,8 +7,9 @@ form (A @ B.T, both K-major) on torch._scaled_mm or emulated, and the opaque GEM
 blockwise_scaled_grouped_mm that kernel "scaled_mm" runs it through; decomp.py: the Inductor decompositions of the
 kernel "scaled_mm" ops (their quantization in plain torch, fused by Inductor, around those GEMM ops, which stay
 opaque: Inductor's _scaled_mm lowering refuses blockwise scales once shapes are symbolic); kernels.py: which
-implementation runs where, and why; deepgemm.py, deepgemm_check.py: the grouped GEMMs on DeepGEMM (optional, through
-torchao) and their self-check.
+implementation runs where, and why; triton_grouped.py: the grouped GEMMs as two Triton kernels (kernel "triton", one
+launch per GEMM); deepgemm.py, deepgemm_check.py: the grouped GEMMs on DeepGEMM (optional, through torchao) and their
+self-check.
 """
 
 from . import grouped_mm, linear  # noqa: F401  (each registers its ops)

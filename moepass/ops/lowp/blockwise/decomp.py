@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ..inductor_fallbacks import decomposition, register_fallbacks
+from ..inductor_fallbacks import decomposition, gemm_decompositions, register_fallbacks
 from . import grouped_mm, linear, quant
 
 
@@ -38,12 +38,10 @@ def blockwise_decompositions() -> dict:
     return {
         ops.blockwise_quantize_rows.default: decomposition(lambda x, kernel: quant.quantize_tiles(x), _decomposed),
         ops.blockwise_grouped_mm_on_rows.default: decomposition(grouped_mm.forward_rows, _decomposed),
-        ops.blockwise_linear.default: decomposition(linear.forward, _decomposed, forward=True),
-        ops.blockwise_linear_dgrad.default: decomposition(linear.dgrad, _decomposed),
-        ops.blockwise_linear_wgrad.default: decomposition(linear.wgrad, _decomposed),
-        ops.blockwise_grouped_mm.default: decomposition(grouped_mm.forward, _decomposed, forward=True),
-        ops.blockwise_grouped_mm_dgrad.default: decomposition(grouped_mm.dgrad, _decomposed),
-        ops.blockwise_grouped_mm_wgrad.default: decomposition(grouped_mm.wgrad, _decomposed),
+        **gemm_decompositions("blockwise", {
+            "linear": linear.forward, "linear_dgrad": linear.dgrad, "linear_wgrad": linear.wgrad,
+            "grouped_mm": grouped_mm.forward, "grouped_mm_dgrad": grouped_mm.dgrad,
+            "grouped_mm_wgrad": grouped_mm.wgrad}, _decomposed),
     }
 
 
