@@ -25,12 +25,13 @@ GEMM_OPS = ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_
 FORWARD_OPS = ("linear", "grouped_mm")
 
 
-def gemm_decompositions(recipe: str, bodies: dict[str, Callable], applies: Callable) -> dict:
-    """{moepass::<recipe>_<op>: decomposition} for a recipe's six GEMM ops (GEMM_OPS), each op's body named by op."""
+def gemm_decompositions(recipe, bodies: dict[str, Callable], applies: Callable) -> dict:
+    """{moepass::<recipe.name>_<op>: decomposition} for a recipe's six GEMM ops (GEMM_OPS), each op's body named by
+    op."""
     import torch
 
     assert set(bodies) == set(GEMM_OPS), sorted(bodies)
-    return {getattr(torch.ops.moepass, f"{recipe}_{name}").default:
+    return {getattr(torch.ops.moepass, f"{recipe.name}_{name}").default:
             decomposition(bodies[name], applies, forward=name in FORWARD_OPS) for name in GEMM_OPS}
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 
+from moepass.recipes.mxfp8 import MXFP8
+
 from . import mxfp8
 from .inductor_fallbacks import gemm_decompositions, register_fallbacks
 
@@ -32,7 +34,7 @@ def _fused(args: tuple) -> bool:
 
 def mxfp8_decompositions() -> dict:
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
-    return gemm_decompositions("mxfp8", {
+    return gemm_decompositions(MXFP8, {
         "linear": mxfp8.linear_forward, "linear_dgrad": mxfp8.linear_dgrad, "linear_wgrad": mxfp8.linear_wgrad,
         "grouped_mm": mxfp8.grouped_forward, "grouped_mm_dgrad": mxfp8.grouped_dgrad,
         "grouped_mm_wgrad": mxfp8.grouped_wgrad}, _fused)

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from moepass.recipes.blockwise import BLOCKWISE
+
 from ..inductor_fallbacks import decomposition, gemm_decompositions, register_fallbacks
 from . import grouped_mm, linear, quant
 
@@ -38,7 +40,7 @@ def blockwise_decompositions() -> dict:
     return {
         ops.blockwise_quantize_rows.default: decomposition(lambda x, kernel: quant.quantize_tiles(x), _decomposed),
         ops.blockwise_grouped_mm_on_rows.default: decomposition(grouped_mm.forward_rows, _decomposed),
-        **gemm_decompositions("blockwise", {
+        **gemm_decompositions(BLOCKWISE, {
             "linear": linear.forward, "linear_dgrad": linear.dgrad, "linear_wgrad": linear.wgrad,
             "grouped_mm": grouped_mm.forward, "grouped_mm_dgrad": grouped_mm.dgrad,
             "grouped_mm_wgrad": grouped_mm.wgrad}, _decomposed),
