@@ -131,6 +131,8 @@ def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, 
                     config: triton.Config | None = None) -> Tensor:
     """bf16 [M, N]: a_q[group g] @ b_q[g].T, rows after ends[-1] zero (the M-grouped form above)."""
     (m, k), (e, n, _) = a_q.shape, b_q.shape
+    if k % TILE or n % TILE:
+        raise ValueError(f"blockwise grouped GEMM: K={k} and N={n} must be multiples of {TILE} (whole 128x128 blocks)")
     out = a_q.new_empty(m, n, dtype=BF16)
     if m == 0 or n == 0:
         return out
