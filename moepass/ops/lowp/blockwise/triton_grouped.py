@@ -140,7 +140,6 @@ def m_grouped_mm_nt(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, 
         return out.zero_()
     kernel, fixed = _launcher(_m_grouped_kernel, config)
     a_scale = _column_major(a_scale)
-
     grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e + 1) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](a_q, a_scale, b_q, b_scale, ends, out, m, n, k, e,
                  *a_q.stride(), *a_scale.stride(), *b_q.stride(), *b_scale.stride(), *out.stride(),
