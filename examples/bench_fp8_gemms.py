@@ -365,14 +365,11 @@ def bench_blockwise_grouped(x, w_t, offs, g, run) -> dict:
 def bench_blockwise_grouped_gemms(x, w_t, offs, g, run) -> dict:
     """The three grouped GEMMs alone on operands quantized beforehand, for every blockwise grouped kernel that runs
     here ("scaled_mm": one torch._scaled_mm per token group; "triton": moepass's two Triton kernels)."""
-    from moepass.ops.lowp.blockwise import gemm, kernels, quant
-    from moepass.ops.lowp.mxfp8_token_groups import pad_token_groups, plan_token_group_padding
+    from moepass.ops.lowp.blockwise import gemm, grouped_mm, kernels, quant
 
-    plan = plan_token_group_padding(offs, x.shape[0], quant.TILE)
-    operands = {"fwd": (*quant.quantize_tiles(x), *quant.quantize_blocks(w_t.transpose(-2, -1)), offs),
-                "dgrad": (*quant.quantize_tiles(g), *quant.quantize_blocks(w_t), offs),
-                "wgrad": (*quant.quantize_tiles(pad_token_groups(g, plan).t()),
-                          *quant.quantize_tiles(pad_token_groups(x, plan).t()), plan.padded_offs)}
+    operands = {"fwd": grouped_mm.forward_operands(*quant.quantize_tiles(x), w_t, offs),
+                "dgrad": grouped_mm.dgrad_operands(g, w_t, offs),
+                "wgrad": grouped_mm.wgrad_operands(g, x, offs)}
     out = {}
     for kernel in ("scaled_mm", "triton"):
         problem = kernels.kernel_problem(kernel, torch.device(DEVICE), True)

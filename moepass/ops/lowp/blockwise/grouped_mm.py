@@ -38,28 +38,40 @@ def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
 
 def forward_rows(x_q: Tensor, x_scale: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
     """The forward on x already quantized in 1x128 tiles (quant.quantize_tiles): moepass::blockwise_grouped_mm_rows."""
-    w_q, w_scale = quant.quantize_blocks(w_t.transpose(-2, -1))  # [E, N, K]: B of A @ B.T per expert
-    return grouped_mm_nt(x_q, x_scale, w_q, w_scale, offs, kernel)
+    return grouped_mm_nt(*forward_operands(x_q, x_scale, w_t, offs), kernel)
 
 
 def dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:
     """grad_x = grad_out[g] @ w_t[g].T per token group."""
     if kernel == "deepgemm":
         return deepgemm.dgrad(grad_out, w_t, offs)
-    g_q, g_scale = quant.quantize_tiles(grad_out)
-    w_q, w_scale = quant.quantize_blocks(w_t)  # [E, K, N]: the forward's blocks, transposed
-    return grouped_mm_nt(g_q, g_scale, w_q, w_scale, offs, kernel)
+    return grouped_mm_nt(*dgrad_operands(grad_out, w_t, offs), kernel)
 
 
 def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     """grad_w_t[g] = x[g].T @ grad_out[g] -> [E, K, N] stored as [E, N, K] (the layout of w_t = w.transpose)."""
     if kernel == "deepgemm":
         return deepgemm.wgrad(grad_out, x, offs)
+    return grouped_mm_nt(*wgrad_operands(grad_out, x, offs), kernel).transpose(-2, -1)  # [E, N, K] -> w_t's layout
+
+
+# ---- the quantized operands of gemm.grouped_mm_nt per GEMM (examples/bench_fp8_gemms.py times the GEMMs on them) --
+
+def forward_operands(x_q: Tensor, x_scale: Tensor, w_t: Tensor, offs: Tensor) -> tuple:
+    w_q, w_scale = quant.quantize_blocks(w_t.transpose(-2, -1))  # [E, N, K]: B of A @ B.T per expert
+    return x_q, x_scale, w_q, w_scale, offs
+
+
+def dgrad_operands(grad_out: Tensor, w_t: Tensor, offs: Tensor) -> tuple:
+    w_q, w_scale = quant.quantize_blocks(w_t)  # [E, K, N]: the forward's blocks, transposed
+    return (*quant.quantize_tiles(grad_out), w_q, w_scale, offs)
+
+
+def wgrad_operands(grad_out: Tensor, x: Tensor, offs: Tensor) -> tuple:
     plan = plan_token_group_padding(offs, x.shape[0], quant.TILE)  # every group a whole number of tiles, no sync
     g_q, g_scale = quant.quantize_tiles(pad_token_groups(grad_out, plan).t())  # [N, P], tiles along tokens
     x_q, x_scale = quant.quantize_tiles(pad_token_groups(x, plan).t())  # [K, P]
-    grad_w = grouped_mm_nt(g_q, g_scale, x_q, x_scale, plan.padded_offs, kernel)  # [E, N, K]
-    return grad_w.transpose(-2, -1)
+    return g_q, g_scale, x_q, x_scale, plan.padded_offs
 
 
 def _dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
