@@ -43,8 +43,8 @@ class SkipCode(enum.Enum):
                     "rule recipes.auto.FP8_ROWWISE_MIN for shapes it does not hold)",
                     "`recipe: fp8_rowwise` (or `mxfp8`) to force it")
     NO_KERNEL = ("both", "no kernel for", "the recipe you asked for has no kernel for this GEMM kind on this device "
-                 "(blockwise: torch._scaled_mm takes its scales on sm_90 only; grouped GEMMs also on DeepGEMM, "
-                 "where installed, and on moepass's Triton kernels on GPUs with FP8 tensor cores)",
+                 "(blockwise: torch._scaled_mm takes its scales on sm_90 only; grouped GEMMs also on moepass's "
+                 "Triton kernels on GPUs with FP8 tensor cores, and on DeepGEMM on request where it is installed)",
                  "`<recipe>.kernel: emulated` to run its numerics anyway (slower than BF16), or another recipe")
     NO_METADATA = ("both", "no recorded tensor metadata", "Dynamo recorded no shape for an operand", "report it: a bug")
     TP_UNEVEN = ("both", "splits unevenly", "tensor parallelism shards a dim unevenly over the mesh: the "

@@ -352,12 +352,12 @@ def test_cpu_runs_the_emulated_kernel_saying_why():
                   torch.device("cpu"), 256, 256, 128)
 
 
-def test_sm90_linears_take_scaled_mm_and_grouped_gemms_the_per_group_loop_without_deepgemm(cuda_capability):
-    cuda_capability(9, 0, triton=None)  # the Triton kernels would run: the measured-faster loop is still chosen
+def test_sm90_linears_take_scaled_mm_and_grouped_gemms_the_per_group_loop(cuda_capability):
+    cuda_capability(9, 0, triton=None, deepgemm=None)  # Triton and DeepGEMM would run: the measured loop is chosen
     linear, grouped = _plan("linear"), _plan("grouped")
     assert linear.kernel == "scaled_mm" and "torch._scaled_mm" in linear.kernel_why and "sm_90" in linear.kernel_why
     assert grouped.kernel == "scaled_mm" and "one per token group" in grouped.kernel_why
-    assert "deep_gemm is not installed" in grouped.kernel_why and "blockwise.kernel='triton'" in grouped.kernel_why
+    assert "blockwise.kernel='triton'" in grouped.kernel_why and "blockwise.kernel='deepgemm'" in grouped.kernel_why
 
 
 def test_the_triton_kernels_serve_grouped_gemms_where_scaled_mm_cannot_and_on_request(cuda_capability):
@@ -369,8 +369,6 @@ def test_the_triton_kernels_serve_grouped_gemms_where_scaled_mm_cannot_and_on_re
     cuda_capability(9, 0, triton=None)
     assert _plan("grouped", **{"blockwise.kernel": "triton"}).kernel == "triton"
     assert _plan("linear", **{"blockwise.kernel": "triton"}).kernel == "scaled_mm"  # Triton: grouped only
-    cuda_capability(9, 0, triton=None, deepgemm=None)
-    assert _plan("grouped").kernel == "deepgemm"  # DeepGEMM first where it passed its own check
 
 
 def test_a_failed_triton_check_is_the_reason_and_a_request_for_it_is_refused(cuda_capability):
@@ -384,9 +382,12 @@ def test_a_failed_triton_check_is_the_reason_and_a_request_for_it_is_refused(cud
     assert "sm_89 or newer" in _plan("grouped").text
 
 
-def test_sm90_grouped_gemms_take_deepgemm_once_it_passes_its_self_check(cuda_capability):
+def test_deepgemm_runs_grouped_gemms_on_request_only_once_it_passes_its_self_check(cuda_capability):
+    cuda_capability(10, 0, deepgemm=None)  # not even where nothing else runs: measured failing at 671B dims
+    assert _plan("grouped").code is SkipCode.NO_KERNEL
     cuda_capability(9, 0, deepgemm=None)
-    assert _plan("grouped").kernel == "deepgemm" and _plan("linear").kernel == "scaled_mm"
+    assert _plan("grouped").kernel == "scaled_mm"
+    assert _plan("grouped", **{"blockwise.kernel": "deepgemm"}).kernel == "deepgemm"
     assert _plan("linear", **{"blockwise.kernel": "deepgemm"}).kernel == "scaled_mm"  # DeepGEMM: grouped only
     assert _plan("grouped", **{"blockwise.kernel": "scaled_mm"}).kernel == "scaled_mm"
     assert _plan("grouped", **{"blockwise.kernel": "emulated"}).kernel == "emulated"
@@ -406,7 +407,7 @@ def test_other_gpus_keep_bf16_with_a_coded_reason(cuda_capability):
 def test_a_failed_scaled_mm_probe_keeps_bf16_saying_what_torch_said(cuda_capability):
     cuda_capability(9, 0, scaled_mm="torch._scaled_mm refused 1x128 x 128x128 blockwise scales: Invalid scaling")
     reason = _plan("grouped")
-    assert reason.code is SkipCode.NO_KERNEL and "Invalid scaling" in reason.text and "deep_gemm" in reason.text
+    assert reason.code is SkipCode.NO_KERNEL and "Invalid scaling" in reason.text and "triton is not installed" in reason.text
 
 
 def test_deepgemm_self_check_runs_apart_and_a_crash_is_a_verdict(monkeypatch):

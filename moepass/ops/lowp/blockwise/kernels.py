@@ -6,11 +6,12 @@
   run it once per token group.
 "triton": grouped GEMMs as moepass's two Triton kernels (triton_grouped.py: every token group in one launch, no host
   sync), linears on "scaled_mm"; where triton imports, the GPU has FP8 tensor cores, and a one-time check against the
-  emulated GEMM passes. "auto" picks it for grouped GEMMs only where neither DeepGEMM nor "scaled_mm" runs: measured
-  slower than the per-group loop (choose_blockwise_kernel).
-"deepgemm": grouped GEMMs through DeepGEMM (torchao 0.18's blockwise grouped kernels; deepgemm.py), only when
-  `deep_gemm` is installed and a one-time self-check against the emulated ops passes in a separate process (a DeepGEMM
-  build has been seen to segfault at its first grouped kernel: a crash there must not take the training job down).
+  emulated GEMM passes. "auto" picks it for grouped GEMMs only where "scaled_mm" does not run: measured slower than
+  the per-group loop (choose_blockwise_kernel).
+"deepgemm": grouped GEMMs through DeepGEMM (torchao 0.18's blockwise grouped kernels; deepgemm.py), on request only,
+  when `deep_gemm` is installed and a one-time self-check against the emulated ops passes in a separate process
+  (DeepGEMM's HEAD has been seen to segfault at its first grouped kernel: a crash there must not take the training
+  job down). "auto" never picks it: see choose_blockwise_kernel for what was measured.
 "emulated": the numerics reference anywhere (gemm.emulated_mm_nt).
 Elsewhere (CUDA without either) "auto" finds no kernel and the planner keeps the GEMM in BF16 with the reason.
 """
@@ -190,28 +191,28 @@ def kernel_problem(kernel: str, device: torch.device, grouped: bool) -> str | No
 
 def choose_blockwise_kernel(device: torch.device | str, grouped: bool) -> tuple[str | None, str]:
     """(kernel, reason a user can read) for a linear (grouped=False) or grouped GEMM on `device`; kernel None: no
-    blockwise FP8 kernel runs here (the GEMM stays BF16). Grouped GEMMs: DeepGEMM, else torch._scaled_mm per token
-    group, else moepass's Triton kernels. The Triton kernels come after the per-group loop as measured: at 671B dims,
-    2 layers on an H200 the step took 602 ms on them against 442 ms on the loop (Inductor BF16 401 ms;
-    examples/results/blockwise_kernels_671B_h200/), so they serve GPUs where torch._scaled_mm takes no blockwise
-    scales (sm_89, sm_100), and blockwise.kernel='triton' asks for them anywhere."""
+    blockwise FP8 kernel runs here (the GEMM stays BF16). Grouped GEMMs: torch._scaled_mm per token group, else
+    moepass's Triton kernels, as measured at 671B dims, 2 layers on an H200: the step took 442 ms on the loop against
+    602 ms on the Triton kernels (Inductor BF16 401 ms; examples/results/blockwise_kernels_671B_h200/). DeepGEMM runs
+    only on request (blockwise.kernel='deepgemm'): the build that passes its self-check here (35c4bc8) failed at the
+    first grouped GEMM of that step (CUDA_ERROR_INVALID_VALUE) and, through torchao's op, took 3.1x BF16's time for
+    the 16B experts' forward (examples/results/blockwise_deepgemm_h200/), so picking it unasked would trade a working
+    loop for a crash or a slowdown."""
     cuda = probe(torch.device(device), "FP8", "blockwise FP8 numerics emulated (dequantized operands, fp32 GEMM)")
     if isinstance(cuda, str):
         return "emulated", cuda
-    no_deepgemm = deepgemm_problem(cuda) if grouped else None
-    if grouped and no_deepgemm is None:
-        return "deepgemm", f"{cuda}: DeepGEMM grouped FP8 GEMMs (torchao's blockwise grouped op), self-check passed"
     no_scaled_mm = scaled_mm_problem(cuda)
     if no_scaled_mm is None:
         if grouped:
-            return "scaled_mm", (f"{cuda}: torch._scaled_mm with blockwise scales, one per token group ({no_deepgemm}; "
-                                 f"{BLOCKWISE.kernel_option}='triton' runs them in one Triton launch instead, slower "
-                                 "as measured at DeepSeek-V3's dims)")
+            return "scaled_mm", (f"{cuda}: torch._scaled_mm with blockwise scales, one per token group "
+                                 f"({BLOCKWISE.kernel_option}='triton' runs them in one Triton launch, "
+                                 f"{BLOCKWISE.kernel_option}='deepgemm' on DeepGEMM; both slower or failing as "
+                                 "measured at DeepSeek-V3's dims)")
         return "scaled_mm", f"{cuda}: torch._scaled_mm with DeepSeek's 1x128 / 128x128 scales"
     no_triton = triton_problem(cuda) if grouped else None
     if grouped and no_triton is None:
-        return "triton", f"{cuda}: moepass's Triton blockwise grouped GEMMs, self-check passed ({no_deepgemm}; {no_scaled_mm})"
-    return None, "; ".join(p for p in (no_scaled_mm, no_deepgemm, no_triton) if p) + \
+        return "triton", f"{cuda}: moepass's Triton blockwise grouped GEMMs, self-check passed ({no_scaled_mm})"
+    return None, "; ".join(p for p in (no_scaled_mm, no_triton) if p) + \
         f"; {BLOCKWISE.kernel_option}='emulated' runs its numerics ({EMULATED})"
 
 
