@@ -33,7 +33,8 @@ def versions() -> dict:
         except Exception:  # noqa: BLE001 - absent or unloadable: report null
             deep_ep = None
     return {"python": platform.python_version(), "torch": torch.__version__, "torchao": package_version("torchao"),
-            "deep_ep": deep_ep, "moepass": package_version("moepass"), "cuda": torch.version.cuda}
+            "deep_ep": deep_ep, "deep_gemm": package_version("deep_gemm"), "moepass": package_version("moepass"),
+            "cuda": torch.version.cuda}
 
 
 def hardware(device: torch.device, world: int) -> dict:
