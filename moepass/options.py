@@ -146,13 +146,14 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False)),
     Option("mxfp8.kernel", "auto", "MXFP8 kernels: auto picks native on sm_100, emulated elsewhere",
            choices=("auto", "emulated", "sm100")),
-    Option("blockwise.kernel", "auto", "blockwise FP8 kernels: auto = on sm_90 torch._scaled_mm for linears and, one per "
-           "token group, for grouped GEMMs (measured faster than the Triton kernels); where it does not run, moepass's "
-           "Triton grouped kernels (one launch per GEMM; self-checked once); emulated on CPU; other GPUs keep BF16. "
-           "emulated: the reference numerics anywhere; triton: grouped GEMMs on those kernels (linears on scaled_mm); "
-           "deepgemm: grouped GEMMs on DeepGEMM through torchao's blockwise grouped op, on request only (when deep_gemm "
-           "is installed and passes a one-time self-check; measured failing at 671B dims and slower than BF16 at 16B); "
-           "scaled_mm: grouped GEMMs one torch._scaled_mm per token group", choices=("auto", "emulated", "scaled_mm", "triton", "deepgemm")),
+    Option("blockwise.kernel", "auto", "blockwise FP8 kernels: auto = on sm_90 torch._scaled_mm for linears and, "
+           "one per token group, for grouped GEMMs (measured faster than the Triton kernels); where it does not run, "
+           "moepass's Triton grouped kernels (one launch per GEMM; self-checked once); emulated on CPU; other GPUs "
+           "keep BF16. emulated: the reference numerics anywhere; triton: grouped GEMMs on those kernels (linears on "
+           "scaled_mm); deepgemm: grouped GEMMs on DeepGEMM through torchao's blockwise grouped op, on request only "
+           "(when deep_gemm is installed and passes a one-time self-check; measured slower than BF16 op by op, and "
+           "failing in a 671B-dims step); scaled_mm: grouped GEMMs one torch._scaled_mm per token group",
+           choices=("auto", "emulated", "scaled_mm", "triton", "deepgemm")),
     Option("blockwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward "
            "and dgrad stay FP8)", choices=(True, False)),
     Option("quantize_once.saved_rows", "auto", "what the quantize_once pass keeps of the experts' input rows for "

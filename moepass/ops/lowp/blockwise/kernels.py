@@ -194,10 +194,10 @@ def choose_blockwise_kernel(device: torch.device | str, grouped: bool) -> tuple[
     blockwise FP8 kernel runs here (the GEMM stays BF16). Grouped GEMMs: torch._scaled_mm per token group, else
     moepass's Triton kernels, as measured at 671B dims, 2 layers on an H200: the step took 442 ms on the loop against
     602 ms on the Triton kernels (Inductor BF16 401 ms; examples/results/blockwise_kernels_671B_h200/). DeepGEMM runs
-    only on request (blockwise.kernel='deepgemm'): the build that passes its self-check here (35c4bc8) failed at the
-    first grouped GEMM of that step (CUDA_ERROR_INVALID_VALUE) and, through torchao's op, took 3.1x BF16's time for
-    the 16B experts' forward (examples/results/blockwise_deepgemm_h200/), so picking it unasked would trade a working
-    loop for a crash or a slowdown."""
+    only on request (blockwise.kernel='deepgemm'): the build that passes its self-check here (35c4bc8) failed in
+    that step (CUDA_ERROR_INVALID_VALUE at a grouped GEMM's launch) and, op by op through torchao's op, took 1.1-7x
+    BF16's time at the same dims (examples/results/blockwise_deepgemm_h200/), so picking it unasked would trade a
+    working loop for a crash or a slowdown."""
     cuda = probe(torch.device(device), "FP8", "blockwise FP8 numerics emulated (dequantized operands, fp32 GEMM)")
     if isinstance(cuda, str):
         return "emulated", cuda
