@@ -19,9 +19,9 @@ from moepass.ops.lowp.blockwise import deepgemm
 
 # (name, experts, rows, K, N) of the routed experts' GEMMs: the bench's 671B dims (32 experts; 131,072 rows = the
 # per-layer step's 16,384 tokens x top-8, where kernel "deepgemm" failed; 65,536 rows ran) and the 16B flavor
-GEMMS = [("671B w1", 32, 65536, 7168, 2048), ("671B w2", 32, 65536, 2048, 7168),
-         ("671B w1 small M", 32, 4096, 7168, 2048), ("16B w1", 64, 196608, 2048, 1408),
-         ("671B w1 step rows", 32, 131072, 7168, 2048), ("671B w2 step rows", 32, 131072, 2048, 7168)]
+GEMMS = [("671B w1 step rows", 32, 131072, 7168, 2048), ("671B w2 step rows", 32, 131072, 2048, 7168),
+         ("671B w1", 32, 65536, 7168, 2048), ("671B w2", 32, 65536, 2048, 7168),
+         ("671B w1 small M", 32, 4096, 7168, 2048), ("16B w1", 64, 196608, 2048, 1408)]
 
 
 def group_ends(experts: int, rows: int, seed: int = 0) -> torch.Tensor:
