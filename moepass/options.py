@@ -151,8 +151,8 @@ OPTIONS: tuple[Option, ...] = (
            "moepass's Triton grouped kernels (one launch per GEMM; self-checked once); emulated on CPU; other GPUs "
            "keep BF16. emulated: the reference numerics anywhere; triton: grouped GEMMs on those kernels (linears on "
            "scaled_mm); deepgemm: grouped GEMMs on DeepGEMM through torchao's blockwise grouped op, on request only "
-           "(when deep_gemm is installed and passes a one-time self-check; measured slower than BF16 op by op, and "
-           "failing in a 671B-dims step); scaled_mm: grouped GEMMs one torch._scaled_mm per token group",
+           "(when deep_gemm is installed and passes a one-time self-check; measured mostly slower than BF16 op by op, "
+           "and failing in a 671B-dims step); scaled_mm: grouped GEMMs one torch._scaled_mm per token group",
            choices=("auto", "emulated", "scaled_mm", "triton", "deepgemm")),
     Option("blockwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward "
            "and dgrad stay FP8)", choices=(True, False)),

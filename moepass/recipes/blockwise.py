@@ -9,7 +9,7 @@ zero rows to a multiple of 128, each expert's token group on its own (tiles neve
 Kernels (ops/lowp/blockwise/kernels.py chooses per device and GEMM kind): torch._scaled_mm with blockwise scales on
 sm_90; grouped GEMMs one torch._scaled_mm per token group there, else moepass's Triton grouped kernels (self-checked
 once; slower than the per-group loop where both run, as measured), or DeepGEMM (torchao 0.18's blockwise grouped op)
-on request only (measured slower than BF16 op by op, and failing in a 671B-dims step); "emulated" (the numerics
+on request only (measured mostly slower than BF16 op by op, and failing in a 671B-dims step); "emulated" (the numerics
 reference: dequantize, fp32 GEMM) on CPU; no kernel elsewhere (the GEMM stays BF16 with the reason). Opt-in
 (`recipe="blockwise"`): recipe="auto" never picks it until measured. Its ops: moepass/ops/lowp/blockwise/. Kernel
 "scaled_mm" ops are decomposed for Inductor into their quantization in plain torch (fused by Inductor) around the
