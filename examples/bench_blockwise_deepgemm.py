@@ -14,6 +14,7 @@ import time
 import traceback
 
 import torch
+from bench_fp8_gemms import routed_group_sizes  # this script's folder is on sys.path when run as a script
 
 from moepass.ops.lowp.blockwise import deepgemm
 
@@ -25,11 +26,8 @@ GEMMS = [("671B w1 step rows", 32, 131072, 7168, 2048), ("671B w2 step rows", 32
 
 
 def group_ends(experts: int, rows: int, seed: int = 0) -> torch.Tensor:
-    """Uneven token groups as a softmax router gives them, as cumulative ends on the GPU."""
-    gen = torch.Generator().manual_seed(seed)
-    probs = torch.softmax(torch.randn(experts, generator=gen) * 0.5, 0)
-    sizes = torch.bincount(torch.multinomial(probs, rows, replacement=True, generator=gen), minlength=experts)
-    return sizes.cumsum(0).to("cuda", torch.int32)
+    """Uneven token groups as a softmax router gives them (bench_fp8_gemms's), as cumulative ends on the GPU."""
+    return torch.tensor(routed_group_sizes(experts, rows, seed)).cumsum(0).to("cuda", torch.int32)
 
 
 def mean_ms(fn, calls: int = 5) -> float:

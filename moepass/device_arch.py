@@ -14,6 +14,10 @@ class CudaDevice:
     name: str  # torch.cuda.get_device_name
 
     @property
+    def index(self) -> int:
+        return int(self.label.split(":")[1])
+
+    @property
     def arch(self) -> str:
         return f"sm_{self.capability[0]}{self.capability[1]}"
 

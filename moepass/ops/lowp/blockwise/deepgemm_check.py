@@ -25,6 +25,7 @@ def _inputs(device: str):
 
 def main() -> int:
     from . import deepgemm, grouped_mm
+    from .kernels import first_line, relative_error
 
     if not torch.cuda.is_available():
         print("no CUDA device in the self-check's process")
@@ -40,13 +41,13 @@ def main() -> int:
             out = got()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001  (any failure is the verdict)
-            print(f"{name} raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+            print(f"{name} raised {type(e).__name__}: {first_line(e)}")
             return 1
         ref = want()
         if out.shape != ref.shape or not torch.isfinite(out).all():
             print(f"{name}: shape {tuple(out.shape)} (want {tuple(ref.shape)}) or non-finite values")
             return 1
-        error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        error = relative_error(out, ref)
         if not error <= MAX_REL_ERROR:
             print(f"{name} is off the emulated op by {error:.3g} (relative; allowed {MAX_REL_ERROR})")
             return 1

@@ -57,12 +57,12 @@ def _no_modes():
     return _disable_current_modes()
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float(), want.float()
     return ((got - want).norm() / want.norm()).item()
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
@@ -86,8 +86,8 @@ def _scaled_mm_problem_on(index: int) -> str | None:
             try:
                 got = gemm.scaled_mm_nt(a_q, a_s, b_q, b_s, b_blocks)
             except Exception as e:  # noqa: BLE001  (any refusal means: not on this torch / GPU)
-                return f"torch._scaled_mm refused {form} blockwise scales: {_first_line(e)}"
-            error = _relative_error(got, gemm.emulated_mm_nt(a_q, a_s, b_q, b_s, b_blocks))
+                return f"torch._scaled_mm refused {form} blockwise scales: {first_line(e)}"
+            error = relative_error(got, gemm.emulated_mm_nt(a_q, a_s, b_q, b_s, b_blocks))
             if not error <= PROBE_MAX_REL_ERROR:
                 return (f"torch._scaled_mm with {form} blockwise scales is off the emulated GEMM by {error:.3g} "
                         f"(relative; allowed {PROBE_MAX_REL_ERROR})")
@@ -97,7 +97,7 @@ def _scaled_mm_problem_on(index: int) -> str | None:
 def scaled_mm_problem(cuda: CudaDevice) -> str | None:
     if cuda.capability[0] != 9:
         return f"{cuda}: torch._scaled_mm takes blockwise (1x128, 128x128) scales on sm_90 only"
-    problem = _scaled_mm_problem_on(int(cuda.label.split(":")[1]))
+    problem = _scaled_mm_problem_on(cuda.index)
     return f"{cuda}: {problem}" if problem else None
 
 
@@ -126,8 +126,8 @@ def _triton_problem_on(index: int) -> str | None:
 
                 got = triton_grouped.grouped_mm_nt(*args)
             except Exception as e:  # noqa: BLE001  (a compile or launch failure means: not on this GPU / triton)
-                return f"the Triton {form} kernel failed: {_first_line(e)}"
-            error = _relative_error(got, gemm._grouped_mm_nt(*args, "emulated"))
+                return f"the Triton {form} kernel failed: {first_line(e)}"
+            error = relative_error(got, gemm._grouped_mm_nt(*args, "emulated"))
             if not error <= PROBE_MAX_REL_ERROR:
                 return (f"the Triton {form} kernel is off the emulated GEMM by {error:.3g} (relative; allowed "
                         f"{PROBE_MAX_REL_ERROR})")
@@ -137,7 +137,7 @@ def _triton_problem_on(index: int) -> str | None:
 def triton_problem(cuda: CudaDevice) -> str | None:
     if cuda.capability < (8, 9):
         return f"{cuda}: Triton's FP8 tensor-core dot needs sm_89 or newer"
-    problem = _triton_problem_on(int(cuda.label.split(":")[1]))
+    problem = _triton_problem_on(cuda.index)
     return f"Triton grouped kernels: {problem}" if problem else None
 
 
@@ -170,7 +170,7 @@ def _visible_device(index: int) -> str:
 
 
 def deepgemm_problem(cuda: CudaDevice) -> str | None:
-    problem = _deepgemm_problem_on(int(cuda.label.split(":")[1]))
+    problem = _deepgemm_problem_on(cuda.index)
     return f"DeepGEMM: {problem}" if problem else None
 
 
