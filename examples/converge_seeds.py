@@ -20,7 +20,9 @@ p says the recipe moves training more than a nudge does; a large one says these 
 
 RUN_DIR: a converge --out directory (holding converge.json); every run must share the config except its seed.
 One seed may span several runs: recipes trained in later jobs with `--baseline-from` the first run's
-converge.json (a 1,500-step emulated-MXFP8 run alone can outlast a job's time limit).
+converge.json (a 1,500-step emulated-MXFP8 run alone can outlast a job's time limit). A recipe trained in some
+seeds only (one added later, one retired) is judged over those seeds, and the table shows "-" for the others; a
+run that failed shows "failed" and never holds.
 """
 
 from __future__ import annotations
@@ -127,63 +129,78 @@ def summarize(runs: list[dict]) -> dict:
             "runs_per_seed": [len(gaps) for gaps in per_seed], "all": pooled,
             "median": None if None in pooled else statistics.median(pooled)}
     for name in variants:
-        entry = {}
+        # a recipe is judged over the seeds it was trained in (a later job may add it to some seeds only)
+        trained = [i for i, r in enumerate(runs) if name in r["variants"]]
+        entry = {"seeds": [runs[i]["config"]["seed"] for i in trained]}
         for key, _ in GAPS:
-            per_seed = [gap(r, name, key) for r in runs]
+            per_seed = [gap(runs[i], name, key) for i in trained]
             med = None if None in per_seed else statistics.median(per_seed)
             floor = out["floor"][key]["median"]
             entry[key] = {"per_seed": per_seed, "median": med,
                           "within_floor": med is not None and floor is not None and med <= floor}
-            if None not in per_seed and all(None not in f for f in floors[key]):
-                ranks = [rank_among(g, f) for g, f in zip(per_seed, floors[key])]
-                entry[key].update(ranks=ranks, rank_p=rank_sum_p(ranks, [len(f) for f in floors[key]]))
+            seed_floors = [floors[key][i] for i in trained]
+            if None not in per_seed and all(None not in f for f in seed_floors):
+                ranks = [rank_among(g, f) for g, f in zip(per_seed, seed_floors)]
+                entry[key].update(ranks=ranks, rank_p=rank_sum_p(ranks, [len(f) for f in seed_floors]))
         entry["holds"] = all(entry[key]["within_floor"] for key, _ in GAPS)
         out["variants"][name] = entry
     # The gaps are magnitudes. With their signs: where the nudged run and a recipe land on the same side of BF16
     # seed after seed, the BF16 run itself sits off the perturbed runs, and every gap of that seed carries it.
     nudged = list(dict.fromkeys(n for r in runs for n in nudged_runs(r)))
-    out["signed"] = {name: {key: [signed(r, name, key) for r in runs] for key, _ in SIGNED}
-                     for name in (*nudged, *variants)}
+    out["signed"] = {}
+    for name in (*nudged, *variants):
+        trained = [r for r in runs if name in r["variants"]]
+        out["signed"][name] = {"seeds": [r["config"]["seed"] for r in trained],
+                               **{key: [signed(r, name, key) for r in trained] for key, _ in SIGNED}}
     return out
+
+
+def by_seed(seeds: list[int], trained: list[int], values: list, fmt) -> str:
+    """One column per seed: the value where the run was trained ("failed" for a failed run), "-" where it was not."""
+    at = dict(zip(trained, values))
+    return " ".join(f"{(fmt(at[s]) if s in at else '-'):>9}" for s in seeds)
 
 
 def table(summary: dict) -> str:
     pct = lambda x: "failed" if x is None else f"{x * 100:.2f}%"  # noqa: E731
     seeds = summary["seeds"]
-    lines = [f"seeds {seeds}; medians over seeds, each gap relative to the BF16 baseline of its own seed"]
+    w = max(16, *(len(n) + 1 for n in summary["signed"]))  # the label column
+    lines = [f"seeds {seeds}; medians over seeds, each gap relative to the BF16 baseline of its own seed "
+             "(- : not trained in that seed; a recipe is judged over the seeds it was trained in)"]
     for key, label in GAPS:
         floor = summary["floor"][key]
-        lines.append(f"\n{label:<16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds) + f" {'median':>9}")
+        lines.append(f"\n{label:<{w}} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds) + f" {'median':>9}")
         several = max(floor["runs_per_seed"]) > 1
-        lines.append(f"{'nudged BF16':<16} " + " ".join(f"{pct(x):>9}" for x in floor["per_seed"])
+        lines.append(f"{'nudged BF16':<{w}} " + " ".join(f"{pct(x):>9}" for x in floor["per_seed"])
                      + f" {pct(floor['median']):>9}"
                      + (f"  (per seed: the median of its {floor['runs_per_seed']} nudged runs; median: of all "
                         f"{len(floor['all'])})" if several else ""))
         for name, entry in summary["variants"].items():
             e = entry[key]
-            lines.append(f"{name:<16} " + " ".join(f"{pct(x):>9}" for x in e["per_seed"])
+            lines.append(f"{name:<{w}} " + by_seed(seeds, entry["seeds"], e["per_seed"], pct)
                          + f" {pct(e['median']):>9}  {'within' if e['within_floor'] else 'OUTSIDE'}")
     signs = lambda x: "failed" if x is None else f"{x * 100:+.2f}%"  # noqa: E731
     for key, label in SIGNED:
-        lines.append(f"\n{label + ' vs BF16':<16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
+        lines.append(f"\n{label + ' vs BF16':<{w}} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
                      + "  (signed: run - BF16)")
         for name, per_seed in summary["signed"].items():
             k = nudged_index(name)
             label = name if k is None else "nudged BF16" + (f" #{k}" if k > 1 else "")
-            lines.append(f"{label:<16} " + " ".join(f"{signs(x):>9}" for x in per_seed[key]))
+            lines.append(f"{label:<{w}} " + by_seed(seeds, per_seed["seeds"], per_seed[key], signs))
     lines.append("\nrank of each gap among its seed's nudged gaps (1 = smallest); p: the chance of a rank sum this "
                  "high if the recipe moved training no more than a nudge")
+    runs_per_seed = dict(zip(seeds, summary["floor"][GAPS[0][0]]["runs_per_seed"]))
     for key, label in GAPS:
         for name, entry in summary["variants"].items():
             e = entry[key]
             if "ranks" in e:
                 lines.append(f"{label:<15} {name:<18} " + " ".join(f"{r:>4g}" for r in e["ranks"])
-                             + f"  of {[n + 1 for n in summary['floor'][key]['runs_per_seed']]}  p = "
-                               f"{e['rank_p']:.2f}")
+                             + f"  of {[runs_per_seed[s] + 1 for s in entry['seeds']]}  p = {e['rank_p']:.2f}")
     lines.append("")
     for name, entry in summary["variants"].items():
+        over = "" if entry["seeds"] == seeds else f", over seeds {entry['seeds']} only"
         lines.append(f"{name}: {'holds' if entry['holds'] else 'does not hold'} (median final-loss and val-loss "
-                     "gaps within the nudged medians)")
+                     f"gaps within the nudged medians{over})")
     return "\n".join(lines)
 
 

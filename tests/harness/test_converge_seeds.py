@@ -113,6 +113,25 @@ def test_a_failed_seed_never_holds(tmp_path):
     assert summary["variants"]["r"]["holds"] is False
 
 
+def test_a_recipe_trained_in_some_seeds_is_judged_over_those(tmp_path):
+    # seeds 3 and 4 added later without the old recipe: "-" there, not "failed", and its median over seeds 0-2
+    paths = [run(tmp_path, s, {"inductor-nudged": (0.01, 0.01), "new": (0.002, -0.002),
+                               **({"old": (0.004 * (s + 1), 0.001)} if s < 3 else {})}) for s in range(5)]
+    summary = converge_seeds.summarize(converge_seeds.load(paths))
+    old = summary["variants"]["old"]
+    assert old["seeds"] == [0, 1, 2] and old["final_loss_gap_rel"]["per_seed"] == pytest.approx([0.004, 0.008, 0.012])
+    assert old["final_loss_gap_rel"]["median"] == pytest.approx(0.008) and old["holds"] is True
+    assert old["final_loss_gap_rel"]["ranks"] == [1, 1, 2]  # among each of its seeds' nudged gaps only
+    assert summary["variants"]["new"]["seeds"] == [0, 1, 2, 3, 4]
+    assert summary["signed"]["old"] == {"seeds": [0, 1, 2], "final_loss": pytest.approx([0.004, 0.008, 0.012]),
+                                        "val_loss": pytest.approx([0.001] * 3)}
+    text = converge_seeds.table(summary)
+    old_row = next(line for line in text.splitlines() if line.startswith("old") and "%" in line)
+    assert old_row.split()[1:6] == ["0.40%", "0.80%", "1.20%", "-", "-"] and "failed" not in text
+    assert "old: holds (median final-loss and val-loss gaps within the nudged medians, over seeds [0, 1, 2] only)" \
+        in text
+
+
 @pytest.mark.parametrize("problem, message", [
     ("cut_off", "cut off before its last variant"),
     ("other_baseline", "different BF16 baselines"),
