@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from moepass.harness.converge import nudge_weights
 from moepass.harness.corpus import Batches, load_corpus
+from moepass.harness.flags import add_model_flags, model_spec
 from moepass.harness.model_spec import ModelSpec
 from moepass.harness.provenance import provenance
 
@@ -53,12 +54,12 @@ def group_of(name: str) -> str:
     return next((group for group, part in GROUPS if part in name + "."), OTHER)
 
 
-def gradients(spec: ModelSpec, options: dict | None, nudge: bool, batch, device) -> tuple[float, dict]:
-    """(loss, {parameter name: fp32 gradient}) of one compiled training step from the spec's seed-0 weights."""
+def gradients(spec: ModelSpec, seed: int, options: dict | None, nudge: bool, batch, device) -> tuple[float, dict]:
+    """(loss, {parameter name: fp32 gradient}) of one compiled training step from the seed's initial weights."""
     torch._dynamo.reset()
-    model = spec.build(0, device)
+    model = spec.build(seed, device)
     if nudge:
-        nudge_weights(model, seed=1)
+        nudge_weights(model, seed=seed + 1)
     compiled = torch.compile(model, backend="inductor" if options is None else "moepass",
                              **({} if options is None else {"options": options}))
     inputs, targets = (t.to(device) for t in batch)
@@ -89,12 +90,7 @@ def compare(base: dict, grads: dict) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flavor", default="debug")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--model-overrides", default="{}", help="JSON dict of config overrides")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--device", default="cpu")
+    add_model_flags(ap, batch=2, seq=256)
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list from {list(VARIANTS)} (the baseline always runs)")
     ap.add_argument("--out", help="write the result here (JSON)")
@@ -104,19 +100,16 @@ def main(argv=None) -> dict:
     if unknown:
         raise SystemExit(f"grad_error: unknown variants {unknown}; choose from {list(VARIANTS)}")
     device = torch.device(args.device)
-    overrides = json.loads(args.model_overrides)
-    if args.layers:
-        overrides["n_layers"] = args.layers
-    spec = ModelSpec(args.flavor, overrides)
+    spec = model_spec(args)
     train_tokens, _ = load_corpus(limit_bytes=1 << 20)
-    batch = Batches(train_tokens, args.batch, args.seq, seed=0)[0]
-    result = {**provenance("moepass.grad_error/1", device, 1), "flavor": args.flavor, "overrides": overrides,
+    batch = Batches(train_tokens, args.batch, args.seq, seed=args.seed)[0]
+    result = {**provenance("moepass.grad_error/1", device, 1), "model": spec.describe(), "seed": args.seed,
               "batch": args.batch, "seq": args.seq, "baseline": BASELINE, "variants": {}}
-    base_loss, base = gradients(spec, None, False, batch, device)
+    base_loss, base = gradients(spec, args.seed, None, False, batch, device)
     result["variants"][BASELINE] = {"loss": base_loss}
     print(f"{BASELINE:>20}: loss {base_loss:.5f}", flush=True)
     for name in names[1:]:
-        loss, grads = gradients(spec, VARIANTS[name], name == NUDGED, batch, device)
+        loss, grads = gradients(spec, args.seed, VARIANTS[name], name == NUDGED, batch, device)
         sqnr = compare(base, grads)
         result["variants"][name] = {"options": VARIANTS[name], "loss": loss,
                                     "loss_rel_diff": (loss - base_loss) / base_loss, "grad_sqnr_db": sqnr}
