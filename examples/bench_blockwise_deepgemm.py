@@ -4,8 +4,9 @@ its time against BF16 torch._grouped_mm on the same operands. Needs a CUDA GPU a
 
     python examples/bench_blockwise_deepgemm.py out.json
 
-Each op: one warm-up call (its seconds are first_call_s: DeepGEMM compiles its kernels on first use), then the mean of
-five calls timed with CUDA events. A failing op is recorded with its error and the run goes on.
+Each op: one warm-up call (its seconds are first_call_s: DeepGEMM compiles its kernels on first use), then the median
+of five calls timed with CUDA events (bench_fp8_gemms.time_ms; the run recorded in examples/results/
+blockwise_deepgemm_h200/ took the mean of the five). A failing op is recorded with its error and the run goes on.
 """
 
 import json
@@ -14,7 +15,7 @@ import time
 import traceback
 
 import torch
-from bench_fp8_gemms import routed_group_sizes  # this script's folder is on sys.path when run as a script
+from bench_fp8_gemms import routed_group_sizes, time_ms  # this script's folder is on sys.path when run as a script
 
 from moepass.ops.lowp.blockwise import deepgemm
 
@@ -30,16 +31,6 @@ def group_ends(experts: int, rows: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(routed_group_sizes(experts, rows, seed)).cumsum(0).to("cuda", torch.int32)
 
 
-def mean_ms(fn, calls: int = 5) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
-
-
 def measure(name: str, experts: int, rows: int, k: int, n: int) -> list[dict]:
     offs = group_ends(experts, rows)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -53,14 +44,13 @@ def measure(name: str, experts: int, rows: int, k: int, n: int) -> list[dict]:
     rows_out = []
     for op in ("fwd", "dgrad", "wgrad"):
         row = {"gemm": name, "E": experts, "M": rows, "K": k, "N": n, "op": op}
-        bf16[op]()
-        row["bf16_ms"] = round(mean_ms(bf16[op]), 3)
+        row["bf16_ms"] = round(time_ms(bf16[op], 1, 5), 3)
         began = time.time()
         try:
             on_deepgemm[op]()
             torch.cuda.synchronize()
             row["first_call_s"] = round(time.time() - began, 1)
-            row["deepgemm_ms"] = round(mean_ms(on_deepgemm[op]), 3)
+            row["deepgemm_ms"] = round(time_ms(on_deepgemm[op], 0, 5), 3)
         except Exception as e:  # noqa: BLE001  (a failing op is a finding: record it and go on)
             row["deepgemm_error"] = f"{type(e).__name__}: {e}"[:300]
             row["where"] = traceback.format_exc().strip().splitlines()[-6:-1]
