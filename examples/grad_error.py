@@ -29,6 +29,7 @@ from moepass.harness.corpus import Batches, load_corpus
 from moepass.harness.flags import add_model_flags, model_spec
 from moepass.harness.model_spec import ModelSpec
 from moepass.harness.provenance import provenance
+from moepass.harness.variants import parse_custom_variant
 
 BASELINE, NUDGED = "inductor", "inductor-nudged"
 # label -> moepass options (None: BF16 Inductor)
@@ -93,12 +94,21 @@ def main(argv=None) -> dict:
     add_model_flags(ap, batch=2, seq=256)
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list from {list(VARIANTS)} (the baseline always runs)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                    help="an extra variant, backend options as JSON (as moepass bench's), e.g. "
+                         "'mxfp8_no_ffn={\"recipe\": \"mxfp8\", \"lowp.exclude\": [\"*.feed_forward.*\"]}'")
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
+    variants = dict(VARIANTS)
+    try:
+        variants.update(parse_custom_variant(v) for v in args.variant)
+    except ValueError as e:
+        raise SystemExit(str(e))
     names = [BASELINE] + [n for n in args.variants.split(",") if n and n != BASELINE]
-    unknown = [n for n in names if n not in VARIANTS]
+    names += [label for label in (parse_custom_variant(v)[0] for v in args.variant) if label not in names]
+    unknown = [n for n in names if n not in variants]
     if unknown:
-        raise SystemExit(f"grad_error: unknown variants {unknown}; choose from {list(VARIANTS)}")
+        raise SystemExit(f"grad_error: unknown variants {unknown}; choose from {list(variants)}")
     device = torch.device(args.device)
     spec = model_spec(args)
     train_tokens, _ = load_corpus(limit_bytes=1 << 20)
@@ -109,9 +119,9 @@ def main(argv=None) -> dict:
     result["variants"][BASELINE] = {"loss": base_loss}
     print(f"{BASELINE:>20}: loss {base_loss:.5f}", flush=True)
     for name in names[1:]:
-        loss, grads = gradients(spec, args.seed, VARIANTS[name], name == NUDGED, batch, device)
+        loss, grads = gradients(spec, args.seed, variants[name], name == NUDGED, batch, device)
         sqnr = compare(base, grads)
-        result["variants"][name] = {"options": VARIANTS[name], "loss": loss,
+        result["variants"][name] = {"options": variants[name], "loss": loss,
                                     "loss_rel_diff": (loss - base_loss) / base_loss, "grad_sqnr_db": sqnr}
         print(f"{name:>20}: loss {loss:.5f} ({(loss - base_loss) / base_loss * 100:+.3f}%), gradient SQNR vs BF16: "
               + ", ".join(f"{g} {db:.1f} dB" for g, db in sqnr.items()), flush=True)

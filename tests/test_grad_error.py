@@ -39,14 +39,22 @@ def test_sqnr_is_signal_over_the_difference():
         _script().compare({"a": torch.ones(1)}, {"b": torch.ones(1)})
 
 
+def test_a_bad_extra_variant_is_named_before_any_compile():
+    with pytest.raises(SystemExit, match="must be LABEL=JSON-object"):
+        _script().main(["--variant", "mine=recipe=mxfp8"])
+
+
 @pytest.mark.extended  # three compiles, ~15 s alone on 2 cores (CI is at its time budget): pytest -m extended
 def test_the_tiny_model_against_its_nudge_and_mxfp8(tmp_path):
     """End to end on CPU: the nudge and emulated MXFP8 both move the gradients (finite SQNR), every group reported."""
     out = tmp_path / "grad_error.json"
     result = _script().main(["--model-overrides", json.dumps(TINY), "--batch", "1", "--seq", "32",
-                             "--variants", "inductor-nudged,mxfp8_experts_only", "--out", str(out)])
-    assert json.loads(out.read_text())["variants"].keys() == {"inductor", "inductor-nudged", "mxfp8_experts_only"}
-    for name in ("inductor-nudged", "mxfp8_experts_only"):
+                             "--variants", "inductor-nudged,mxfp8_experts_only", "--out", str(out),
+                             "--variant", 'mine={"recipe": "fp8_rowwise", "lowp.include": ["*.attention.*"]}'])
+    assert json.loads(out.read_text())["variants"].keys() == {"inductor", "inductor-nudged", "mxfp8_experts_only",
+                                                              "mine"}
+    assert result["variants"]["mine"]["options"]["recipe"] == "fp8_rowwise"
+    for name in ("inductor-nudged", "mxfp8_experts_only", "mine"):
         sqnr = result["variants"][name]["grad_sqnr_db"]
         assert {"routed experts", "attention", "all"} <= set(sqnr)
         assert all(0 < db < math.inf for db in sqnr.values()), (name, sqnr)
