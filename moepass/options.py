@@ -121,7 +121,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
            "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),
     Option("fp8_rowwise.wgrad_bf16", "auto", "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe; "
-           "auto = per GEMM kind as measured on Hopper (grouped expert GEMMs BF16, linears FP8)",
+           "auto = per GEMM kind as measured on Hopper (FP8 for linears and, since quantize_once, grouped "
+           "expert GEMMs)",
            choices=("auto", True, False)),
     # The three below take the FP8-rowwise quantizations out of Inductor's graph (one op writes both layouts an
     # operand's two GEMMs read): cold compile at 671B dims, 5 layers, one H200 from 3.3x Inductor's to 1.33x, the

@@ -446,8 +446,8 @@ class _Unbacked:
         hint = None
 
 
-def test_wgrad_bf16_auto_keeps_grouped_wgrads_bf16_and_linear_wgrads_fp8():
-    assert FP8_ROWWISE.choose_wgrad_bf16("auto", "grouped")[0] is True
+def test_wgrad_bf16_auto_puts_grouped_and_linear_wgrads_in_fp8():
+    assert FP8_ROWWISE.choose_wgrad_bf16("auto", "grouped") == (False, "wgrad FP8")
     assert FP8_ROWWISE.choose_wgrad_bf16("auto", "linear") == (False, "wgrad FP8")
     for kind in ("linear", "grouped"):
         assert FP8_ROWWISE.choose_wgrad_bf16(False, kind) == (False, "wgrad FP8: fp8_rowwise.wgrad_bf16=False requested")
@@ -549,7 +549,7 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
     model = build_model("debug")
     tokens = torch.randint(0, 2048, (2, 64))
     with moepass.collecting() as report:
-        # every GEMM quantized, the grouped wgrad too (its "auto" default keeps it BF16)
+        # every GEMM quantized, the grouped wgrad too (stated, though "auto" now says the same)
         compiled = torch.compile(model, backend="moepass", options={"recipe": "fp8_rowwise", "inductor": False,
                                                                     "fp8_rowwise.wgrad_bf16": False})
         loss = next_token_loss(compiled(tokens), tokens)

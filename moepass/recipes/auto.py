@@ -54,13 +54,15 @@ FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
 THRESHOLDS_SOURCE = (f"measured on H200: {auto_table.SHIPPED_NAME} (per GEMM and token count), "
                      "examples/results/step_16B_fp8_h200/ (training steps)")
 
-# fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds. A grouped wgrad in FP8
-# needs both operands quantized per (token group, column), a pass of their own over the routed tokens
-# (ops/lowp/fp8_rowwise/triton_kernels.py) that cost more than the FP8 GEMM saved in the 16B step: 2 x 1.4 ms of
-# quantization per wgrad under the skewed routing of early training, against ~0.8 ms saved by its FP8 GEMM. At 671B
-# dims, with w1's and w3's wgrads sharing one quantization of x, FP8 came out even (479.7 vs 480.7 ms a step, 1.9 GB
-# less peak memory: examples/results/bench_671B_l3_wgrad_once_h200/): not a win worth new numerics by default.
-WGRAD_BF16_AUTO = {"linear": False, "grouped": True}
+# fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds (none now). A grouped wgrad in
+# FP8 needs both operands quantized per (token group, column), a pass of their own over the routed tokens
+# (ops/lowp/fp8_rowwise/triton_kernels.py). Before quantize_once it cost more than the FP8 GEMM saved in the 16B
+# step (2 x 1.4 ms against ~0.8 ms) and came out even at 671B dims (479.7 vs 480.7 ms,
+# examples/results/bench_671B_l3_wgrad_once_h200/). With x saved in FP8 before the gather (quantize_once) its
+# token-wise re-quantization reads 1-byte rows, and per MoE layer at 671B dims FP8 is 110.4 ms against BF16's
+# 114.8 (1.204x against 1.158x Inductor's: examples/results/bench_671B_per_layer_wgrad_h200/). Where auto keeps
+# the routed experts BF16 (16B dims) this changes nothing.
+WGRAD_BF16_AUTO = {"linear": False, "grouped": False}
 
 
 def example_tokens(m) -> tuple[int | None, str]:
