@@ -497,6 +497,9 @@ def test_flex_training_step_on_cuda_through_the_route():
         assert forward.get("moepass.mxfp8_linear") and backward.get("moepass.mxfp8_grouped_mm_dgrad"), backward
     assert loss.isfinite()
     torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=1e-3)
-    for name, grad in grads.items():  # the same graphs: only kernel choices (autotuning) could differ
-        scale = want_grads[name].abs().max().clamp_min(1e-6)
-        assert (grad - want_grads[name]).abs().max() <= scale / 100, name
+    for name, grad in grads.items():  # the same graphs: only kernel choices (autotuning) could differ, and an
+        # FP8 wgrad turns their last-bit differences into whole e4m3 steps on the few elements whose rounding flips
+        # (blocks.0.w1: max 4% of its largest once the grouped wgrad went FP8). Judged by the norm, where a wrong
+        # graph shows as an error of order one; e4m3 itself is ~3% per tensor.
+        error = (grad - want_grads[name]).norm() / want_grads[name].norm().clamp_min(1e-12)
+        assert error <= 0.03, (name, error.item())
