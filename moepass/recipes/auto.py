@@ -44,7 +44,7 @@ FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
     # below lost or broke even (16B wq K*N=6.3e6 1.02x, shared experts 0.97/0.98x, wo 0.55x; K=512 or N=576:
     # 0.39-0.78x). Smaller M wins only for the largest GEMMs, which the table holds.
     "linear": MinShape(k=1536, n=1536, tokens=16384, work=1.0e7),
-    # The routed expert MLP in context (forward and dgrad FP8, the wgrad BF16 as WGRAD_BF16_AUTO says): at 671B
+    # The routed expert MLP in context (forward and dgrad FP8, the wgrad BF16 as WGRAD_BF16_AUTO said then): at 671B
     # dims (K*N=1.5e7) 0.92x at 1024 tokens per expert, 1.05x at 2048, 1.16x at 4096: 1.03x from ~1850 tokens per
     # expert, 2.7e10 per group; 16B (K*N=2.9e6) lost up to 4096 tokens per expert (0.96x, 1.2e10 per group), and
     # in the 16B model with x quantized once before the gather (the default passes) it stayed within the noise.
