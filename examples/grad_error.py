@@ -24,6 +24,7 @@ import pathlib
 import torch
 import torch.nn.functional as F
 
+from moepass import Config, OptionsError
 from moepass.harness.converge import nudge_weights
 from moepass.harness.corpus import Batches, load_corpus
 from moepass.harness.flags import add_model_flags, model_spec
@@ -99,13 +100,15 @@ def main(argv=None) -> dict:
                          "'mxfp8_no_ffn={\"recipe\": \"mxfp8\", \"lowp.exclude\": [\"*.feed_forward.*\"]}'")
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
-    variants = dict(VARIANTS)
-    try:
-        variants.update(parse_custom_variant(v) for v in args.variant)
-    except ValueError as e:
+    try:  # parsed and their options checked before any compile
+        extra = dict(parse_custom_variant(v) for v in args.variant)
+        for options in extra.values():
+            Config.from_options(options)
+    except (ValueError, OptionsError) as e:
         raise SystemExit(str(e))
+    variants = {**VARIANTS, **extra}
     names = [BASELINE] + [n for n in args.variants.split(",") if n and n != BASELINE]
-    names += [label for label in (parse_custom_variant(v)[0] for v in args.variant) if label not in names]
+    names += [label for label in extra if label not in names]
     unknown = [n for n in names if n not in variants]
     if unknown:
         raise SystemExit(f"grad_error: unknown variants {unknown}; choose from {list(variants)}")

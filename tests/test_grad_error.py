@@ -42,6 +42,8 @@ def test_sqnr_is_signal_over_the_difference():
 def test_a_bad_extra_variant_is_named_before_any_compile():
     with pytest.raises(SystemExit, match="must be LABEL=JSON-object"):
         _script().main(["--variant", "mine=recipe=mxfp8"])
+    with pytest.raises(SystemExit, match="recipe"):  # a bad option value, before the first variant compiles
+        _script().main(["--variant", 'mine={"recipe": "fp9"}'])
 
 
 @pytest.mark.extended  # three compiles, ~15 s alone on 2 cores (CI is at its time budget): pytest -m extended
