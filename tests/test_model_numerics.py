@@ -21,11 +21,15 @@ def base_model():
     return build_model("debug")
 
 
-def test_logits_sqnr_at_least_20_db(base_model):
+def test_logits_sqnr_at_least_20_db():
+    """Two of the debug model's four layers (one dense, one MoE: every kind of rewritten GEMM), 40 -> 22 s on 2 cores;
+    the demo in CI trains all four and the extended test below 50 steps of them."""
+    torch.manual_seed(0)
+    model = build_model("debug", n_layers=2)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = torch.compile(copy.deepcopy(base_model), backend="inductor")(tokens)
-        out = torch.compile(copy.deepcopy(base_model), backend="moepass")(tokens)
+        ref = torch.compile(copy.deepcopy(model), backend="inductor")(tokens)
+        out = torch.compile(copy.deepcopy(model), backend="moepass")(tokens)
     assert torch.isfinite(out).all()
     assert sqnr_db(ref, out) >= 20.0
 
