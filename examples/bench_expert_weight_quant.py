@@ -6,8 +6,8 @@ Today the compiled FP8 grouped GEMM quantizes each expert weight w [E, N, K] twi
 the forward along K (one scale per (expert, output channel)) and the dgrad along N (one scale per (expert,
 input channel)), the second a reduction over the strided axis with a transposed write. Under the option
 fp8_rowwise.expert_weights_once, moepass::fp8_rowwise_expert_weights does both with two Triton kernels
-(moepass/ops/lowp/fp8_rowwise/triton_kernels.both_layouts): one read of w for both amaxes (the row amax in registers, the
-column amax by float atomics), then one read writing both e4m3 layouts (the dgrad one through a transposed tile).
+(moepass/ops/lowp/fp8_rowwise/triton_kernels.both_layouts): one read of w for both amaxes (per tile, reduced by
+torch), then one read writing both e4m3 layouts (the dgrad one through a transposed tile).
 
 For the DeepSeek-V3 16B and 671B expert weights it checks the op bit for bit against moepass's quantization
 (fp8_rowwise.decomp.cols / rows, as the default decompositions call them) and times, with CUDA events, the two

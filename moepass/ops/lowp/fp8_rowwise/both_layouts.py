@@ -8,9 +8,9 @@ The ops here return both layouts at once. Under the options fp8_rowwise.expert_w
 fp8_rowwise.linear_both_layouts both decompositions (decomp) call one op on the same operand, each
 using its half; AOTAutograd's CSE merges the two calls of the joint graph into one, and where the two GEMMs
 sit in different graphs the partitioner saves the other half (1 byte per element) for the backward.
-On CUDA two Triton kernels read the operand twice in all (triton_kernels.both_layouts: the row amax in
-registers, the column amax by atomics, then one pass writing both e4m3 layouts), bit for bit equal to the
-reference; elsewhere the reference (decomp.rows / cols).
+On CUDA two Triton kernels read the operand twice in all (triton_kernels.both_layouts: each tile's row and
+column amaxes, reduced by torch, then one pass writing both e4m3 layouts), bit for bit equal to the reference;
+elsewhere the reference (decomp.rows / cols).
 """
 
 from __future__ import annotations

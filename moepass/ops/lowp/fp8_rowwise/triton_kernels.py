@@ -10,7 +10,11 @@ token_group_cols_padded: [M, D] -> e4m3 [D, P] with one scale per (token group, 
 zero_rows_from_group_end_: torch._scaled_grouped_mm leaves output rows at or after offs[-1] unwritten.
 both_layouts: [E, R, C] -> e4m3 along C (row-major) and along R (written transposed, [E, C, R]) from two reads
   of the input: the expert weights' forward and dgrad layouts at once, or (E = 1) a linear's gradient per token
-  and per channel (both_layouts).
+  and per channel (both_layouts). The first read writes each tile's row and column amaxes to small partial
+  buffers that torch reduces. The kernel before it walked whole rows and gathered the column amax through float
+  atomics: on a linear's [16384, C] operand 512 programs hit every column address (wq_b's gradient at 671B dims:
+  the op took 1.49 ms with it, 1.01 ms with a 256x32x128 tile pass at 0.55 ms, and that pass takes 0.34 ms at
+  this tile; examples/results/both_layouts_tile_amax_h200/).
 Same numerics as quant (power-of-two scales from the amax, e4m3 round-to-nearest-even).
 """
 
@@ -25,7 +29,9 @@ from .quant import AMAX_EPS, scale_from_amax
 
 # both_layouts' tile: the fastest of six on an H200 (examples/results/expert_weight_quant_h200.json)
 BOTH_BLOCK_R, BOTH_BLOCK_C = 128, 64
-AMAX_MIN_PROGRAMS, AMAX_THIN_BLOCK_R = 512, 32  # below 512 row blocks (a linear's [M, C] operand): 32-row ones
+# the amax pass's tile: AMAX_TILE_R rows (read AMAX_LOAD_R at a time) x AMAX_TILE_C columns per program; the
+# fastest of six on an H200 at every DeepSeek-V3 operand timed (examples/results/both_layouts_tile_amax_h200/)
+AMAX_TILE_R, AMAX_LOAD_R, AMAX_TILE_C = 256, 64, 64
 # 128 rows per step: 2-31% faster than 64 on an H200, most under skewed routing (a few large groups, each
 # walked by few programs); examples/results/token_group_quant_h200.json
 BLOCK_M, BLOCK_D = 128, 64
@@ -78,22 +84,25 @@ if triton is not None:
             tl.store(dst, q, mask=(rows < padded_size)[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _amax_both_kernel(in_ptr, row_amax_ptr, col_amax_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program per (row block, expert) walks its rows' whole width: the row amax stays in registers, the
-        # column amax gathers over the row blocks through float atomics (amaxes are >= 0)
-        pid_r, e = tl.program_id(0), tl.program_id(1)
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    def _tile_amax_kernel(in_ptr, row_part_ptr, col_part_ptr, R, C, TILE_R: tl.constexpr, LOAD_R: tl.constexpr,
+                          TILE_C: tl.constexpr):
+        # one program per (row tile, column tile, expert): its columns' amax over its TILE_R rows goes to
+        # col_part[e, pid_r, :], its rows' amax over its TILE_C columns to row_part[e, pid_c, :] (no atomics)
+        pid_r, pid_c, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_r, n_c = tl.num_programs(0), tl.num_programs(1)
+        cols = pid_c * TILE_C + tl.arange(0, TILE_C)
+        col_ok = cols < C
         base = in_ptr + e.to(tl.int64) * R * C
-        row_offsets = rows[:, None].to(tl.int64) * C  # 64-bit: a 2-D operand can pass 2^31 elements
-        row_amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            x = tl.load(base + row_offsets + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
-                        other=0.0).to(tl.float32)
+        row_part = row_part_ptr + (e * n_c + pid_c).to(tl.int64) * R
+        col_amax = tl.zeros((TILE_C,), dtype=tl.float32)
+        for r0 in tl.static_range(0, TILE_R, LOAD_R):
+            rows = pid_r * TILE_R + r0 + tl.arange(0, LOAD_R)
+            x = tl.load(base + rows[:, None].to(tl.int64) * C + cols[None, :],  # 64-bit: past 2^31 elements
+                        mask=(rows < R)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             x = tl.abs(x)
-            row_amax = tl.maximum(row_amax, tl.max(x, axis=1))
-            tl.atomic_max(col_amax_ptr + e * C + cols, tl.max(x, axis=0), mask=cols < C)
-        tl.store(row_amax_ptr + e * R + rows, row_amax, mask=rows < R)
+            col_amax = tl.maximum(col_amax, tl.max(x, axis=0))
+            tl.store(row_part + rows, tl.max(x, axis=1), mask=rows < R)
+        tl.store(col_part_ptr + (e * n_r + pid_r).to(tl.int64) * C + cols, col_amax, mask=col_ok)
 
     @triton.jit
     def _quantize_both_kernel(in_ptr, row_scale_ptr, col_scale_ptr, q_rows_ptr, q_cols_ptr, R, C,
@@ -166,16 +175,21 @@ def both_layouts(t: Tensor, block_r: int = BOTH_BLOCK_R, block_c: int = BOTH_BLO
     bit for bit and the kernel quantizes with exactly the scales it returns.
     """
     experts, r, c = t.shape
-    row_amax = torch.empty(experts, r, device=t.device, dtype=torch.float32)
-    col_amax = torch.zeros(experts, c, device=t.device, dtype=torch.float32)
-    # the amax kernel walks whole rows, one program per row block: a 2-D operand (one "expert") has few row
-    # blocks, so thinner ones keep the GPU busy
-    amax_block_r = block_r if triton.cdiv(r, block_r) * experts >= AMAX_MIN_PROGRAMS else AMAX_THIN_BLOCK_R
-    _amax_both_kernel[(triton.cdiv(r, amax_block_r), experts)](t, row_amax, col_amax, r, c, BLOCK_R=amax_block_r,
-                                                               BLOCK_C=block_c)
+    row_amax, col_amax = tile_amax(t)
     row_scale, col_scale = scale_from_amax(row_amax), scale_from_amax(col_amax)
     q_rows = torch.empty(experts, r, c, device=t.device, dtype=E4M3)
     q_cols = torch.empty(experts, c, r, device=t.device, dtype=E4M3)
     _quantize_both_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c), experts)](
         t, row_scale, col_scale, q_rows, q_cols, r, c, FP8_MAX=E4M3_MAX, BLOCK_R=block_r, BLOCK_C=block_c)
     return q_rows, row_scale, q_cols, col_scale
+
+
+def tile_amax(t: Tensor, tile_r: int = AMAX_TILE_R, load_r: int = AMAX_LOAD_R, tile_c: int = AMAX_TILE_C
+              ) -> tuple[Tensor, Tensor]:
+    """Contiguous [E, R, C] -> (amax of |t| along C [E, R], along R [E, C]), exact (a max is order-free)."""
+    experts, r, c = t.shape
+    grid = (triton.cdiv(r, tile_r), triton.cdiv(c, tile_c), experts)
+    row_part = torch.empty(experts, grid[1], r, device=t.device, dtype=torch.float32)
+    col_part = torch.empty(experts, grid[0], c, device=t.device, dtype=torch.float32)
+    _tile_amax_kernel[grid](t, row_part, col_part, r, c, TILE_R=tile_r, LOAD_R=load_r, TILE_C=tile_c)
+    return row_part.amax(dim=1), col_part.amax(dim=1)
