@@ -124,7 +124,7 @@ def cmd_demo(args) -> int:
     _say(f"moepass demo: torch {torch.__version__}, device {device}, flavor {args.flavor}")
     if device.type == "cpu" and "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
         # The demo shows rewrites and numerics, not CPU speed: Inductor's vectorized C++ codegen (sympy tiling
-        # analysis) was 40% of the demo's time on 2 cores (104 -> 73 s, same losses). Export the variable to keep it.
+        # analysis) was 30% of the demo's time on 2 cores (104 -> 73 s, same losses). Export the variable to keep it.
         torch._inductor.config.cpp.vec_isa_ok = False
     _say("[1/4] building the DeepSeek-V3 reference model (BF16) and loading text (stdlib source, bytes) ...")
     base = _build(args, device)
