@@ -4,12 +4,15 @@ For DeepSeek-V3's linear operands and expert weights it checks both versions' ou
 against torch's, and times (CUDA events) both ops, the amax pass at six tiles and the op at four quantize tiles.
 The earlier version is a copy of triton_kernels.py with absolute imports, e.g. the atomics one of 3ab3daa:
 
-    git show 3ab3daa:moepass/ops/lowp/fp8_rowwise/triton_kernels.py | sed -e 's/^from \\.\\.formats/from moepass.ops.lowp.formats/' \\
-        -e 's/^from \\.quant/from moepass.ops.lowp.fp8_rowwise.quant/' > /tmp/old_triton_kernels.py
+    git show 3ab3daa:moepass/ops/lowp/fp8_rowwise/triton_kernels.py \\
+        | sed -e 's/^from \\.\\.formats/from moepass.ops.lowp.formats/' \\
+              -e 's/^from \\.quant/from moepass.ops.lowp.fp8_rowwise.quant/' > /tmp/old_triton_kernels.py
     OUT=out python examples/bench_both_layouts_amax.py /tmp/old_triton_kernels.py
 """
 import importlib.util, json, os, sys, torch, triton
 
+if len(sys.argv) != 2 or not os.environ.get("OUT") or not torch.cuda.is_available():
+    sys.exit("usage: OUT=DIR python examples/bench_both_layouts_amax.py OLD_TRITON_KERNELS.py (needs a CUDA GPU)")
 _spec = importlib.util.spec_from_file_location("old_triton_kernels", sys.argv[1])
 old = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(old)
@@ -29,6 +32,8 @@ SHAPES = [("671B wq_b grad", 1, 16384, 24576), ("671B wo input", 1, 16384, 16384
           ("671B wo grad", 1, 16384, 7168), ("671B wq_a grad", 1, 16384, 1536), ("671B shared w1 grad", 1, 16384, 2048),
           ("671B experts w1 [E,N,K]", 32, 2048, 7168), ("671B experts w2", 32, 7168, 2048),
           ("16B dense w1 grad", 1, 32768, 10944), ("16B wq grad", 1, 32768, 3072)]
+AMAX_TILES = [(256, 32, 128), (128, 32, 128), (256, 16, 256), (512, 32, 128), (256, 64, 64), (128, 16, 256)]
+QUANTIZE_TILES = [(128, 64), (64, 128), (128, 128), (64, 64)]
 rows = []
 tot_old = tot_new = 0.0
 for name, e, r, c in SHAPES:
@@ -38,12 +43,12 @@ for name, e, r, c in SHAPES:
     ra, ca = new.tile_amax(t)
     amax_exact = torch.equal(ra, t.abs().amax(-1).float()) and torch.equal(ca, t.abs().amax(-2).float())
     ms_old, ms_new = t_ms(lambda: old.both_layouts(t)), t_ms(lambda: new.both_layouts(t))
-    tiles = {f"{tr}x{lr}x{tc}": round(t_ms(lambda: new.tile_amax(t, tr, lr, tc)), 4)
-             for tr, lr, tc in [(256, 32, 128), (128, 32, 128), (256, 16, 256), (512, 32, 128), (256, 64, 64), (128, 16, 256)]}
-    qtiles = {f"{br}x{bc}": round(t_ms(lambda: new.both_layouts(t, br, bc)), 4) for br, bc in [(128, 64), (64, 128), (128, 128), (64, 64)]}
+    tiles = {f"{tr}x{lr}x{tc}": round(t_ms(lambda: new.tile_amax(t, tr, lr, tc)), 4) for tr, lr, tc in AMAX_TILES}
+    qtiles = {f"{br}x{bc}": round(t_ms(lambda: new.both_layouts(t, br, bc)), 4) for br, bc in QUANTIZE_TILES}
     gb = 6 * t.numel() / 1e9
     row = dict(operand=name, shape=[e, r, c], bit_exact=exact, amax_exact=amax_exact, old_ms=round(ms_old, 4),
-               new_ms=round(ms_new, 4), new_GBps_6B=round(gb / ms_new * 1e3, 1), amax_tiles_ms=tiles, both_tiles_ms=qtiles)
+               new_ms=round(ms_new, 4), new_GBps_6B=round(gb / ms_new * 1e3, 1), amax_tiles_ms=tiles,
+               both_tiles_ms=qtiles)
     rows.append(row)
     if name.startswith("671B"): tot_old += ms_old; tot_new += ms_new
     print(json.dumps(row), flush=True)

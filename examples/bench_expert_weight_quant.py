@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="examples/results/expert_weight_quant_h200.json")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--blocks", default="", help="also time the op with these quantize-pass tiles, e.g. 32x256,128x64 (rows x columns; the amax pass keeps its own)")
+    p.add_argument("--blocks", default="", help="also time the op with these quantize-pass tiles, e.g. 32x256,128x64 "
+                   "(rows x columns; the amax pass keeps its own)")
     p.add_argument("--linear", action="store_true", help="also time linear operands (LINEAR_OPERANDS)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -33,7 +33,8 @@ def _check() -> None:
     gen = torch.Generator().manual_seed(0)
     for experts, r, c in CASES:
         # rows of very different magnitudes, so a row's or a column's amax comes from one element
-        t = (torch.randn(experts, r, c, generator=gen) * torch.rand(experts, r, 1, generator=gen) * 10).to(torch.bfloat16)
+        t = torch.randn(experts, r, c, generator=gen) * torch.rand(experts, r, 1, generator=gen) * 10
+        t = t.to(torch.bfloat16)
         row_amax, col_amax = triton_kernels.tile_amax(t, tile_r=64, load_r=16, tile_c=32)  # many tiles per operand
         assert torch.equal(row_amax, t.abs().amax(-1).float()), (experts, r, c)
         assert torch.equal(col_amax, t.abs().amax(-2).float()), (experts, r, c)
