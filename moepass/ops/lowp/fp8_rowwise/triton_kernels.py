@@ -172,7 +172,8 @@ def both_layouts(t: Tensor, block_r: int = BOTH_BLOCK_R, block_c: int = BOTH_BLO
     """Contiguous [E, R, C] -> (q_rows [E, R, C], scale [E, R]) along C and (q_cols [E, C, R], scale [E, C]) along R.
 
     The scales come from quant.scale_from_amax between the two kernels, so they are the reference's
-    bit for bit and the kernel quantizes with exactly the scales it returns.
+    bit for bit and the kernel quantizes with exactly the scales it returns. block_r, block_c: the quantize pass's
+    tile (the amax pass's is tile_amax's).
     """
     experts, r, c = t.shape
     row_amax, col_amax = tile_amax(t)
