@@ -73,8 +73,8 @@ def main(argv=None) -> int:
         return 2
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     impls = {"default": triton_ops.token_group_cols_padded}
-    impls |= {f"tiles {m}x{d}x{w}": (lambda t, o, m=m, d=d, w=w: triton_ops.token_group_cols_padded(t, o, m, d, w))
-             for m, d, w in tiles}
+    impls |= {f"tiles {m}x{d}x{w}": (lambda t, o, m=m, d=d, w=w: triton_ops.token_group_cols_padded(
+        t, o, block_m=m, block_d=d, num_warps=w)) for m, d, w in tiles}
     for spec in args.compare:
         module, fn = spec.split(":")
         impls[spec] = getattr(importlib.import_module(module), fn)

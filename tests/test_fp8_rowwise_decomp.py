@@ -49,9 +49,10 @@ def _counting_backend(op, counts: dict, **table_options):
 
 def test_table_covers_the_six_ops():
     table = decomp.fp8_rowwise_decompositions()
-    # and quantize_once's quantization and GEMM on quantized rows (tests/test_quantize_once.py)
+    # and quantize_once's quantization, GEMM and wgrad on quantized rows (tests/test_quantize_once.py)
     assert set(table) == FP8_OPS | {torch.ops.moepass.fp8_rowwise_quantize_rows.default,
-                                    torch.ops.moepass.fp8_rowwise_grouped_mm_on_rows.default}
+                                    torch.ops.moepass.fp8_rowwise_grouped_mm_on_rows.default,
+                                    torch.ops.moepass.fp8_rowwise_grouped_mm_wgrad_on_rows.default}
     merged = decomp.inductor_decompositions()
     assert set(table) <= set(merged) and torch.ops.aten.addmm.default in merged  # Inductor's own table kept
 

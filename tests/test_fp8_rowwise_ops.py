@@ -562,8 +562,9 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
         "moepass.fp8_rowwise_grouped_mm", "moepass.fp8_rowwise_linear"}
     assert all("recipe=fp8_rowwise kernel=emulated: recipe='fp8_rowwise' requested" in r["detail"]
                for r in linear["rewrites"])
+    # the routed experts' wgrad reads the FP8 token rows quantize_once saved (ops/lowp/grouped_mm_rows.py)
     for op in ("fp8_rowwise_linear_dgrad", "fp8_rowwise_linear_wgrad", "fp8_rowwise_grouped_mm_dgrad",
-               "fp8_rowwise_grouped_mm_wgrad"):
+               "fp8_rowwise_grouped_mm_wgrad_on_rows"):
         assert f"moepass::{op}" in backward_ops.names, (op, sorted(backward_ops.names))
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 

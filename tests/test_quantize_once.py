@@ -53,13 +53,18 @@ def test_rows_form_is_bit_equal_to_quantizing_after_the_gather(name, wgrad_bf16,
         return
     # FP8 rows saved: the wgrad reads their dequantization; blockwise's FP8 wgrad would round them twice, so its rows
     # form takes the BF16 wgrad there (ops/lowp/grouped_mm_rows.py)
-    x_rows = {"fp8_rowwise": lambda: (q[idx].float() / scale[idx]).to(BF16),
-              "blockwise": lambda: (q[idx].float().reshape(24, -1, 128) * scale[idx][..., None]).reshape(24, K)
-              .to(BF16)}[name]()
+    x_rows = _dequantized_rows(name, q[idx], scale[idx])
     bf16_wgrad = wgrad_bf16 or name == "blockwise"
     expected = (torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x_rows, offs) if bf16_wgrad
                 else recipe.op("grouped_mm_wgrad")(grad_out, x_rows, offs, "emulated"))
     assert torch.equal(gw, expected), f"{name} rows form: wgrad is not the wgrad of the dequantized FP8 rows"
+
+
+def _dequantized_rows(name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The BF16 rows a recipe's FP8 rows stand for, written out here rather than taken from the recipe."""
+    if name == "fp8_rowwise":
+        return (q.float() / scale).to(BF16)
+    return (q.float().reshape(q.shape[0], -1, 128) * scale[..., None]).reshape(q.shape).to(BF16)
 
 
 @pytest.mark.parametrize("name", ROWS_RECIPES)
@@ -109,6 +114,12 @@ def test_bad_quantized_rows_are_refused_with_what_was_expected():
         form.grouped_mm(x[idx], q[idx].float(), scale[idx], w_t, offs, True, False, "emulated")
     with pytest.raises(ValueError, match="kernel 'deepgemm' has no rows form"):
         form.quantize(x.detach(), "deepgemm")
+    q, scale = rows_form(RECIPES["fp8_rowwise"].op("grouped_mm")).quantize(x.detach(), "emulated")
+    grad_out = torch.randn(24, N).to(BF16)
+    with pytest.raises(ValueError, match=r"fp8_rowwise_grouped_mm_wgrad_on_rows: x_scale must be float32 \[24, 1\]"):
+        torch.ops.moepass.fp8_rowwise_grouped_mm_wgrad_on_rows(grad_out, q[idx], scale[idx][:20], offs, "emulated")
+    with pytest.raises(ValueError, match=r"fp8_rowwise_token_group_cols: t must be torch.float8_e4m3fn with row_scale"):
+        torch.ops.moepass.fp8_rowwise_token_group_cols(x.detach(), offs, scale)
 
 
 class Experts(torch.nn.Module):
@@ -341,17 +352,22 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.skipif(not SM90, reason="the FP8 rowwise and blockwise grouped kernels run on sm_90")
 @pytest.mark.parametrize("name", ROWS_RECIPES)
 def test_rows_form_on_gpu_is_bit_equal_eager_and_through_the_backend(name):
-    """Kernel "scaled_mm": the rows form's forward and dgrad equal the grouped op's, eagerly and compiled by the
-    backend (Inductor fusing the quantization, the GEMM reading quantized rows)."""
+    """Kernel "scaled_mm": the rows form's forward and dgrad equal the grouped op's, and its wgrad on the saved FP8
+    rows equals the wgrad on their dequantization (fp8_rowwise's reads the FP8 rows itself), eagerly; and compiled by
+    the backend (Inductor fusing the quantization, the GEMM reading quantized rows)."""
     recipe = RECIPES[name]
     form = rows_form(recipe.op("grouped_mm"))
     x, w_t, idx, offs, grad_out = (t.cuda() if t.dtype != BF16 else t.detach().cuda().requires_grad_(t.requires_grad)
                                    for t in _problem(5))
     ref, ref_gx = _grads(lambda: recipe.op("grouped_mm")(x[idx], w_t, offs, False, "scaled_mm"), grad_out, x)
     q, scale = form.quantize(x.detach(), "scaled_mm")
-    out, gx = _grads(lambda: form.grouped_mm(x[idx], q[idx], scale[idx], w_t, offs, True, False, "scaled_mm"),
-                     grad_out, x)
+    out, gx, gw = _grads(lambda: form.grouped_mm(x[idx], q[idx], scale[idx], w_t, offs, True, False, "scaled_mm"),
+                         grad_out, x, w_t)
     assert torch.equal(out, ref) and torch.equal(gx, ref_gx)
+    x_rows = _dequantized_rows(name, q[idx], scale[idx])
+    want_gw = (recipe.op("grouped_mm_wgrad")(grad_out, x_rows, offs, "scaled_mm") if form.fp8_wgrad_on_rows
+               else torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x_rows, offs))
+    assert torch.equal(gw, want_gw), f"{name}: the wgrad on saved FP8 rows is not the wgrad on their dequantization"
     outs = []
     for passes in (["grouped_mm"], ["grouped_mm", "quantize_once"]):
         torch._dynamo.reset()

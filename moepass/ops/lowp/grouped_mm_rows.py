@@ -16,7 +16,9 @@ What the backward keeps for the wgrad:
 - saved_fp8: x_q and x_scale, not BF16 rows (FP8 activations: half the bytes, rows shared by w1 and w3 once), and
   x's values are never read; the wgrad reads their dequantization, exact in BF16 for fp8_rowwise's power-of-two
   scales, rounded to BF16 for blockwise's (DeepSeek-V3 keeps its experts' inputs in FP8 the same way). A BF16 wgrad
-  then sees the quantized rows, not the BF16 ones.
+  then sees the quantized rows, not the BF16 ones. A recipe whose RowGemms has a wgrad (fp8_rowwise) runs its FP8
+  wgrad as moepass::<recipe>_grouped_mm_wgrad_on_rows(grad_out, x_q, x_scale, offs, ...), which reads the FP8 rows
+  without writing their dequantization first.
 - not saved_fp8: x itself, as <recipe>_grouped_mm does, so the wgrad is that op's, bit for bit.
 """
 
@@ -33,7 +35,8 @@ from moepass.recipes.base import Recipe
 
 from .formats import E4M3
 from .gemm_args import check_bf16
-from .grouped_mm import check_grouped
+from .grouped_mm import check_grouped, check_wgrad
+from .grouped_wgrad_bf16 import as_transposed_layout
 from .op_recipe import RecipeGemms, check_dims, define_op, split_forward_args
 
 
@@ -51,6 +54,9 @@ class RowGemms:
     # (relative wgrad error ~1.4x its FP8 wgrad on BF16 rows), so there the wgrad is BF16 on the dequantized rows,
     # whose error matches that FP8 wgrad (DeepSeek-V3 rounds these activations' scales to powers of two instead).
     fp8_wgrad_on_rows: bool
+    # (grad_out, q, scale, offs, *settings, kernel) -> grad_w_t: that FP8 wgrad reading the saved rows in FP8, equal
+    # to the recipe's wgrad on dequantize(q, scale) (moepass::<recipe>_grouped_mm_wgrad_on_rows); None: that wgrad
+    wgrad: Callable | None = None
 
 
 def _check_quantized(op: str, rows: RowGemms, q: Tensor, scale: Tensor, like: Tensor) -> None:
@@ -118,8 +124,28 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
                                                                           dtype=torch.bfloat16))
     for gemm_op in (op, recipe.op("grouped_mm_on_rows")):
         register_gemm(gemm_op, "grouped", "forward")
+    if rows.wgrad is not None:
+        _define_wgrad_on_rows(recipe, gemms, rows)
     register_rows_form(recipe.op("grouped_mm"), recipe.op("quantize_rows"), recipe.op("grouped_mm_rows"),
                        recipe.op("grouped_mm_on_rows"), rows.kernels, rows.fp8_wgrad_on_rows)
+
+
+def _define_wgrad_on_rows(recipe: Recipe, gemms: RecipeGemms, rows: RowGemms) -> None:
+    """moepass::<recipe>_grouped_mm_wgrad_on_rows(grad_out, x_q, x_scale, offs, *settings, kernel): the FP8 wgrad on
+    saved FP8 rows, without their BF16 dequantization in between (a write and a read of 2 bytes per element)."""
+    name = recipe.op_name("grouped_mm_wgrad_on_rows")
+
+    def check(grad_out, x_q, x_scale, offs, *args):
+        like = torch.empty((), dtype=torch.bfloat16, device=x_q.device).expand(x_q.shape)
+        check_wgrad(recipe, gemms, grad_out, like, offs, args)
+        _check_quantized(name, rows, x_q, x_scale, like)
+
+    define_op(name, ["Tensor grad_out", "Tensor x_q", "Tensor x_scale", "Tensor offs", *recipe.op_settings,
+                     "str kernel"],
+              check=check, compute=rows.wgrad,
+              output=lambda g, x_q, x_scale, offs, *args: as_transposed_layout(
+                  g.new_empty(offs.shape[0], x_q.shape[1], g.shape[1])))
+    register_gemm(recipe.op("grouped_mm_wgrad_on_rows"), "grouped", "wgrad")
 
 
 def rows_decompositions(recipe: Recipe) -> dict:
@@ -148,11 +174,13 @@ def _backward_of(recipe: Recipe, rows: RowGemms):
         if ctx.needs_input_grad[0]:
             grad_x = recipe.op("grouped_mm_dgrad")(grad_out, w_t, offs, *ctx.gemm_args)
         if ctx.needs_input_grad[3]:
-            x = rows.dequantize(*rows_saved) if ctx.saved_fp8 else rows_saved[0]
-            if ctx.wgrad_bf16 or (ctx.saved_fp8 and not rows.fp8_wgrad_on_rows):
-                grad_w_t = torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs)
+            fp8_wgrad = not ctx.wgrad_bf16 and (rows.fp8_wgrad_on_rows or not ctx.saved_fp8)
+            if fp8_wgrad and ctx.saved_fp8 and rows.wgrad is not None:
+                grad_w_t = recipe.op("grouped_mm_wgrad_on_rows")(grad_out, *rows_saved, offs, *ctx.gemm_args)
             else:
-                grad_w_t = recipe.op("grouped_mm_wgrad")(grad_out, x, offs, *ctx.gemm_args)
+                x = rows.dequantize(*rows_saved) if ctx.saved_fp8 else rows_saved[0]
+                grad_w_t = (recipe.op("grouped_mm_wgrad")(grad_out, x, offs, *ctx.gemm_args) if fp8_wgrad
+                            else torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs))
         # x_q, x_scale, offs, saved_fp8, settings, wgrad_bf16, kernel get none
         return grad_x, None, None, grad_w_t, None, None, *(None,) * (len(ctx.gemm_args) + 1)
 

@@ -11,7 +11,8 @@ functions eagerly for "scaled_mm".
 Column-major operands are quantized as `t.t()` along its last dim into a row-major buffer, then viewed
 back with `.t()`: Inductor writes the transposed layout from the quantization kernel itself.
 The grouped wgrad decomposes into two moepass::fp8_rowwise_token_group_cols (a Triton kernel writing the
-padded token-group layout) and the GEMM: the quantization of x that w1's and w3's wgrads share is CSE'd.
+padded token-group layout) and the GEMM: the quantization of x that w1's and w3's wgrads share is CSE'd. Its form
+on the FP8 rows quantize_once saves (grouped_mm_wgrad_on_rows) hands the token-group kernel those rows and scales.
 """
 
 from __future__ import annotations
@@ -136,8 +137,17 @@ def grouped_mm_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, weights_once: 
 
 def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     """moepass::fp8_rowwise_grouped_mm_wgrad: grad_w_t[g] = x[g].T @ grad_out[g], scaled along the group's tokens."""
+    return _grouped_wgrad(grad_out, torch.ops.moepass.fp8_rowwise_token_group_cols(x, offs), offs)
+
+
+def grouped_mm_wgrad_on_rows(grad_out: Tensor, x_q: Tensor, x_scale: Tensor, offs: Tensor) -> Tensor:
+    """moepass::fp8_rowwise_grouped_mm_wgrad_on_rows: grouped_mm_wgrad on x = dequantize(x_q, x_scale), read in FP8."""
+    return _grouped_wgrad(grad_out, torch.ops.moepass.fp8_rowwise_token_group_cols(x_q, offs, x_scale), offs)
+
+
+def _grouped_wgrad(grad_out: Tensor, x_cols: tuple[Tensor, Tensor, Tensor], offs: Tensor) -> Tensor:
     g_q_t, g_scale, padded_ends = torch.ops.moepass.fp8_rowwise_token_group_cols(grad_out, offs)  # [N, P]
-    x_q_t, x_scale, _ = torch.ops.moepass.fp8_rowwise_token_group_cols(x, offs)  # [K, P]
+    x_q_t, x_scale, _ = x_cols  # [K, P], [E, K]
     grad_w = scaled_grouped_mm(g_q_t, g_scale.reshape(-1), x_q_t.t(), x_scale.reshape(-1), padded_ends)
     return grad_w.transpose(-2, -1)  # [E, N, K] -> [E, K, N], column-major like w_t
 
@@ -185,6 +195,12 @@ def _decompose_grouped_mm_wgrad(grad_out, x, offs, kernel):
     return grouped_mm_wgrad(grad_out, x, offs)
 
 
+def _decompose_grouped_mm_wgrad_on_rows(grad_out, x_q, x_scale, offs, kernel):
+    if kernel != "scaled_mm" or _maybe_empty(x_q.shape[0]):
+        return NotImplemented
+    return grouped_mm_wgrad_on_rows(grad_out, x_q, x_scale, offs)
+
+
 def _decompose_quantize_rows(x, kernel):
     if kernel != "scaled_mm" or _maybe_empty(x.shape[0]):
         return NotImplemented
@@ -222,6 +238,7 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_la
         ops.fp8_rowwise_grouped_mm.default: _with(_decompose_grouped_mm, weights_once=expert_weights_once),
         ops.fp8_rowwise_grouped_mm_dgrad.default: _with(_decompose_grouped_mm_dgrad, weights_once=expert_weights_once),
         ops.fp8_rowwise_grouped_mm_wgrad.default: _decompose_grouped_mm_wgrad,
+        ops.fp8_rowwise_grouped_mm_wgrad_on_rows.default: _decompose_grouped_mm_wgrad_on_rows,
         ops.fp8_rowwise_quantize_rows.default: _decompose_quantize_rows,
         ops.fp8_rowwise_grouped_mm_on_rows.default: _with(_decompose_grouped_mm_on_rows,
                                                           weights_once=expert_weights_once),

@@ -21,7 +21,7 @@ from ..grouped_mm_rows import RowGemms, define_grouped_mm_rows_ops
 from ..grouped_wgrad_bf16 import as_transposed_layout
 from ..op_recipe import RecipeGemms
 from . import quant
-from .decomp import grouped_mm_wgrad
+from .decomp import grouped_mm_wgrad, grouped_mm_wgrad_on_rows
 from .kernels import check_settings
 from .scaled_gemms import scaled_grouped_mm, zero_rows_after_last_group
 
@@ -79,6 +79,13 @@ def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, kernel: str) -> Tensor:
     return grouped_mm_wgrad(grad_out, x, offs)
 
 
+def wgrad_on_rows(grad_out: Tensor, x_q: Tensor, x_scale: Tensor, offs: Tensor, kernel: str) -> Tensor:
+    """wgrad(grad_out, quant.dequantize(x_q, x_scale), offs) bit for bit; the scaled_mm kernel reads x_q itself."""
+    if kernel == "emulated" or x_q.shape[0] == 0:
+        return wgrad(grad_out, quant.dequantize(x_q, x_scale), offs, kernel)
+    return grouped_mm_wgrad_on_rows(grad_out, x_q, x_scale, offs)
+
+
 def _rows_quantize(x: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
     return quant.rows(x, kernel) if x.shape[0] else (x.to(E4M3), x.new_ones(0, 1, dtype=torch.float32))
 
@@ -87,4 +94,5 @@ GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)
 define_grouped_mm_ops(FP8_ROWWISE, GEMMS)
 # rows quantized before their gather: one power-of-two scale per row, so dequantization is exact
 define_grouped_mm_rows_ops(FP8_ROWWISE, GEMMS, RowGemms(_rows_quantize, forward_rows, quant.dequantize,
-                                                        lambda k: 1, kernels=("scaled_mm", "emulated"), fp8_wgrad_on_rows=True))
+                                                        lambda k: 1, kernels=("scaled_mm", "emulated"),
+                                                        fp8_wgrad_on_rows=True, wgrad=wgrad_on_rows))

@@ -45,10 +45,11 @@ except ImportError:  # CPU-only machines: the emulated kernel never calls into t
 if triton is not None:
 
     @triton.jit
-    def _token_group_cols_kernel(in_ptr, stride_in_m, stride_in_d, offs_ptr, out_ptr, stride_out_d, scale_ptr,
-                                 padded_ends_ptr, D, E, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+    def _token_group_cols_kernel(in_ptr, stride_in_m, stride_in_d, row_mult_ptr, offs_ptr, out_ptr, stride_out_d,
+                                 scale_ptr, padded_ends_ptr, D, E, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
                                  ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_D: tl.constexpr):
+                                 BLOCK_D: tl.constexpr, ROW_SCALED: tl.constexpr):
+        # ROW_SCALED: in_ptr holds e4m3 rows, each multiplied by row_mult[row] on load (their exact dequantization)
         pid_d = tl.program_id(0)
         g = tl.program_id(1)
         # This group's padded start: the padded sizes of the groups before it, summed.
@@ -70,6 +71,8 @@ if triton is not None:
             rows = r + tl.arange(0, BLOCK_M)
             src = in_ptr + (start + rows)[:, None].to(tl.int64) * stride_in_m + cols[None, :] * stride_in_d
             x = tl.load(src, mask=(rows < size)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            if ROW_SCALED:
+                x = x * tl.load(row_mult_ptr + start + rows, mask=rows < size, other=0.0)[:, None]
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         scale = (FP8_MAX / tl.maximum(amax.to(tl.float64), EPS)).to(tl.float32)
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # floor to 2^k
@@ -79,6 +82,8 @@ if triton is not None:
             rows = r + tl.arange(0, BLOCK_M)
             src = in_ptr + (start + rows)[:, None].to(tl.int64) * stride_in_m + cols[None, :] * stride_in_d
             x = tl.load(src, mask=(rows < size)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            if ROW_SCALED:
+                x = x * tl.load(row_mult_ptr + start + rows, mask=rows < size, other=0.0)[:, None]
             q = tl.clamp(x * scale[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
             dst = out_ptr + cols[None, :].to(tl.int64) * stride_out_d + (padded_start + rows)[:, None]
             tl.store(dst, q, mask=(rows < padded_size)[:, None] & col_ok[None, :])
@@ -137,10 +142,12 @@ def padded_token_rows(tokens: int, experts: int) -> int:
     return (tokens + ALIGN * experts + ALIGN - 1) // ALIGN * ALIGN
 
 
-def token_group_cols_padded(t: Tensor, offs: Tensor, block_m: int = BLOCK_M, block_d: int | None = None,
-                            num_warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+def token_group_cols_padded(t: Tensor, offs: Tensor, row_scale: Tensor | None = None, block_m: int = BLOCK_M,
+                            block_d: int | None = None, num_warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """[M, D] -> (q [D, P] row-major, scale [E, D], padded group ends int32 [E]); padding columns are zero.
 
+    t: bf16, or e4m3 rows with row_scale [M, 1] (quant.rows' scales), read as their dequantization
+    quant.dequantize(t, row_scale) without writing it: 1 byte per element read instead of 2, bit for bit the same.
     One program per (column block, token group) reads its group twice (amax, then cast). block_m, block_d,
     num_warps: the tile, for examples/bench_token_group_quant.py; block_d None: 64, or 32 with few programs.
     """
@@ -149,12 +156,14 @@ def token_group_cols_padded(t: Tensor, offs: Tensor, block_m: int = BLOCK_M, blo
     q_t = torch.empty(d, padded_token_rows(tokens, experts), dtype=E4M3, device=t.device)
     scale = torch.empty(experts, d, dtype=torch.float32, device=t.device)
     padded_ends = torch.empty(experts, dtype=torch.int32, device=t.device)
+    # quant.dequantize's multiplier, from the same torch op, so the values are its own
+    row_mult = scale if row_scale is None else row_scale.reshape(tokens).reciprocal()
     if block_d is None:
         block_d = BLOCK_D if triton.cdiv(d, BLOCK_D) * experts >= 512 else BLOCK_D // 2  # few experts: more programs
     _token_group_cols_kernel[(triton.cdiv(d, block_d), experts)](
-        t, t.stride(0), t.stride(1), offs, q_t, q_t.stride(0), scale, padded_ends, d, experts,
+        t, t.stride(0), t.stride(1), row_mult, offs, q_t, q_t.stride(0), scale, padded_ends, d, experts,
         FP8_MAX=E4M3_MAX, EPS=AMAX_EPS, ALIGN=ALIGN, BLOCK_E=triton.next_power_of_2(experts),
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps)
+        BLOCK_M=block_m, BLOCK_D=block_d, ROW_SCALED=row_scale is not None, num_warps=num_warps)
     return q_t, scale, padded_ends
 
 
