@@ -15,7 +15,7 @@ from torch import fx
 
 from . import collect, recipes
 from .cache_key import CompiledGraphAudit
-from .ep_recompute import SaveEPExchanges
+from .saved_for_backward import SavedForBackward
 from .options import Config
 from .pipeline import run_pipeline
 
@@ -68,7 +68,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
                                on_compiled=lambda: collect.save_graph(report, held))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
     patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
-               "joint_custom_pre_pass": SaveEPExchanges()}
+               "joint_custom_pre_pass": SavedForBackward()}
     from torch._inductor.decomposition import select_decomp_table
 
     # the recipes' decompositions over Inductor's table (FP8-rowwise "scaled_mm" ops become plain torch here, so

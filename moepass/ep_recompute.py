@@ -14,10 +14,8 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .cache_key import source_hash
 from .op_registry import is_exchange
 
 
@@ -33,13 +31,8 @@ def _mark_saved(node: torch.fx.Node) -> None:
             _mark_saved(user)
 
 
-class SaveEPExchanges(CustomGraphPass):
-    """Inductor `joint_custom_pre_pass`: EP dispatch/combine outputs are saved for backward, never recomputed."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in graph.nodes:
-            if is_ep_exchange(node):
-                _mark_saved(node)
-
-    def uuid(self) -> str:
-        return f"moepass-save-ep-{source_hash()}"
+def mark_exchanges_saved(graph: torch.fx.Graph) -> None:
+    """EP dispatch/combine outputs in a joint graph are saved for backward, never recomputed."""
+    for node in graph.nodes:
+        if is_ep_exchange(node):
+            _mark_saved(node)

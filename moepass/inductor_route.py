@@ -9,7 +9,7 @@ flex_attention. `install(options)` puts into `torch._inductor.config` what `moep
                                  itself: Inductor's calls on the bodies are skipped); records -> the report
     post_grad_custom_post_pass   CompiledGraphAudit, per Dynamo graph (keyed by its compile id: a backward
                                  compiled lazily at its first run still finds its graph)
-    joint_custom_pre_pass        SaveEPExchanges (EP exchanges saved, not recomputed, under AC)
+    joint_custom_pre_pass        SavedForBackward (EP exchanges saved under AC; gathered FP8 rows gathered again)
     pre_grad_pass_timing "early" (torch >= 2.12) the pipeline runs before the AOTAutograd cache lookup, as the
                                  backend's does: the cache keys on the rewritten graph, and a warm cache
                                  still reports every graph's rewrites
@@ -38,7 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import collect, recipes
 from .cache_key import CompiledGraphAudit, source_hash
-from .ep_recompute import SaveEPExchanges
+from .saved_for_backward import SavedForBackward
 from .options import Config, OptionsError
 from .pipeline import run_pipeline
 from .report import GraphRecord
@@ -144,7 +144,7 @@ class _Installation:
         self.pre_grad = MoepassPreGradPass(config)
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
                          "post_grad_custom_post_pass": RouteAudit(self.pre_grad, recipes.cache_variant(_settled(config))),
-                         "joint_custom_pre_pass": SaveEPExchanges()}
+                         "joint_custom_pre_pass": SavedForBackward()}
         self.dynamo = dict(DYNAMO_FLAGS)
         self.decompositions: dict = {}
         self.replaced: dict[tuple[Any, str], Any] = {}  # (config module, name) -> value before install

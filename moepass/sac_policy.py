@@ -6,7 +6,7 @@ a checkpoint body holds moepass's forward GEMM ops instead (moepass.op_registry)
 rewritten GEMM would be recomputed in the backward as under full AC. The body's context_fn is wrapped so that the
 policy is asked about the op the BF16 graph held: a linear as the `aten.mm(x as 2-D, W.T)` (`addmm` with a bias)
 it decomposes to, a grouped GEMM as `aten._grouped_mm`. Expert-parallel dispatch/combine are saved whatever the
-policy says (ep_recompute.SaveEPExchanges).
+policy says (ep_recompute.mark_exchanges_saved).
 """
 
 from __future__ import annotations

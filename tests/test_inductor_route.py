@@ -367,7 +367,7 @@ def check_ep_regions_through_the_route(rank, world_size):
     assert deepep["replaced"] == 1 and deepep["skipped"] == [], deepep
     assert deepep["rewrites"][0]["node"].startswith("wrap_body"), deepep["rewrites"]
     assert not [k for g in report.graphs for k in g.ops_after if "all_to_all" in k]
-    backward = compiled_ops(report, "backward")  # SaveEPExchanges: the recompute sends nothing again
+    backward = compiled_ops(report, "backward")  # ep_recompute: the recompute sends nothing again
     assert not [k for k in backward if "all_to_all" in k or k == "moepass.ep_dispatch"], backward
     assert backward.get("moepass.ep_dispatch_backward", 0) + backward.get("moepass.ep_combine", 0) == 1, backward
     assert result.loss.isfinite() and all(g.isfinite().all() for g in result.grads.values())

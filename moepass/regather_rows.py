@@ -1,0 +1,82 @@
+"""Gathered FP8 rows are gathered again in the backward, not kept: the backward keeps the token rows.
+
+quantize_once gathers FP8 token rows (and their scales) into expert order for the expert GEMMs, top_k rows per token.
+The backward's FP8 wgrad reads those rows through a moepass op (the token-group quantization), and PyTorch's
+partitioner never recomputes a node whose backward consumer it cannot fuse ("materialized in backward"): it keeps
+the gathered rows from the forward until the backward, top_k times the token rows' bytes (at DeepSeek-V3 dims 0.94 GB
+a layer against 0.12 GB). Gathering them again costs the backward one write and one read of the FP8 rows; the BF16
+rows the wgrad read before were as large twice over. This joint-graph pass marks such gathers PREFER_RECOMPUTE, so the
+partitioner keeps their sources (the token rows and the index) and gathers again. A gather that another policy
+already tagged (activation checkpointing's) keeps its tag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils.checkpoint import CheckpointPolicy
+
+aten = torch.ops.aten
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGather:
+    node: torch.fx.Node  # the gather: aten.index.Tensor(src, [index]) or aten.index_select(src, 0, index)
+    source: torch.fx.Node
+    index: torch.fx.Node
+
+
+def _row_gather(node: torch.fx.Node) -> RowGather | None:
+    """node as a gather of whole rows along dim 0, or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.index.Tensor:
+        src, indices = node.args[:2]
+        if len(indices) == 1 and isinstance(indices[0], torch.fx.Node):
+            return RowGather(node, src, indices[0])
+    elif node.target is aten.index_select.default and node.args[1] == 0:
+        return RowGather(node, node.args[0], node.args[2])
+    return None
+
+
+def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The joint graph's nodes that depend on an incoming gradient (AOTAutograd names them tangents_*)."""
+    reached = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    for node in graph.nodes:  # topological order: a node's inputs come first
+        if node not in reached and any(arg in reached for arg in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def _dtype(node: torch.fx.Node):
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _expands(gather: RowGather) -> bool:
+    """The gather has at least as many rows as its source (keeping the source is no larger), known at compile time."""
+    out, src = gather.node.meta.get("val"), gather.source.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor) or src.dim() == 0:
+        return False
+    return statically_known_true(out.shape[0] >= src.shape[0])
+
+
+def find_fp8_row_gathers(graph: torch.fx.Graph) -> list[RowGather]:
+    """Gathers of FP8 rows (and of their scales, by the same index) that the backward reads and that expand their
+    source, not already tagged by a recompute policy."""
+    backward = _backward_nodes(graph)
+    gathers = [g for g in map(_row_gather, graph.nodes) if g is not None and g.node not in backward]
+    fp8_indices = {g.index for g in gathers if _dtype(g.node) in FLOAT8}
+    return [g for g in gathers if g.index in fp8_indices and "recompute" not in g.node.meta
+            and any(user in backward for user in g.node.users) and _expands(g)]
+
+
+def mark_fp8_row_gathers_recomputed(graph: torch.fx.Graph) -> list[RowGather]:
+    """Tag what find_fp8_row_gathers finds PREFER_RECOMPUTE; returns it."""
+    found = find_fp8_row_gathers(graph)
+    for gather in found:
+        gather.node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    return found
