@@ -42,13 +42,24 @@ def _row_gather(node: torch.fx.Node) -> RowGather | None:
     return None
 
 
-def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The joint graph's nodes that depend on an incoming gradient (AOTAutograd names them tangents_*)."""
-    reached = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+def _forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The joint graph's nodes the forward outputs need. The outputs are the forward's, then the gradients; a
+    gradient depends on an incoming gradient (AOTAutograd names them tangents_*), a forward output never does. What
+    the forward does not need runs in the backward, also where it reads only forward values (the wgrad's quantization
+    of x)."""
+    from_tangents = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
     for node in graph.nodes:  # topological order: a node's inputs come first
-        if node not in reached and any(arg in reached for arg in node.all_input_nodes):
-            reached.add(node)
-    return reached
+        if node not in from_tangents and any(arg in from_tangents for arg in node.all_input_nodes):
+            from_tangents.add(node)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    needed = [n for n in output.all_input_nodes if n not in from_tangents]
+    forward = set()
+    while needed:
+        node = needed.pop()
+        if node not in forward:
+            forward.add(node)
+            needed.extend(node.all_input_nodes)
+    return forward
 
 
 def _dtype(node: torch.fx.Node):
@@ -67,11 +78,11 @@ def _expands(gather: RowGather) -> bool:
 def find_fp8_row_gathers(graph: torch.fx.Graph) -> list[RowGather]:
     """Gathers of FP8 rows (and of their scales, by the same index) that the backward reads and that expand their
     source, not already tagged by a recompute policy."""
-    backward = _backward_nodes(graph)
-    gathers = [g for g in map(_row_gather, graph.nodes) if g is not None and g.node not in backward]
+    forward = _forward_nodes(graph)
+    gathers = [g for g in map(_row_gather, graph.nodes) if g is not None and g.node in forward]
     fp8_indices = {g.index for g in gathers if _dtype(g.node) in FLOAT8}
     return [g for g in gathers if g.index in fp8_indices and "recompute" not in g.node.meta
-            and any(user in backward for user in g.node.users) and _expands(g)]
+            and any(user not in forward for user in g.node.users) and _expands(g)]
 
 
 def mark_fp8_row_gathers_recomputed(graph: torch.fx.Graph) -> list[RowGather]:

@@ -11,14 +11,17 @@ import moepass
 import moepass.ops.lowp  # noqa: F401  (registers the ops)
 from moepass import saved_for_backward
 from moepass.regather_rows import find_fp8_row_gathers, mark_fp8_row_gathers_recomputed
+from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 aten = torch.ops.aten
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 
 
-def _joint(rows_dtype=E4M3, token_rows=4, gathered=12, read_in_backward=True, select=False, tagged=False):
+def _joint(rows_dtype=E4M3, token_rows=4, gathered=12, read_in_backward=True, select=False, tagged=False,
+           with_gradient=True):
     """A joint graph: forward `rows[index]` (and the scales by the same index) into an op, backward an op reading
-    the gathered rows with the incoming gradient."""
+    the gathered rows, with the incoming gradient or (with_gradient=False) alone, as the wgrad's quantization of x
+    does, its result meeting the gradient after."""
     graph = torch.fx.Graph()
     mode = FakeTensorMode()
     with mode:
@@ -41,14 +44,20 @@ def _joint(rows_dtype=E4M3, token_rows=4, gathered=12, read_in_backward=True, se
         rows.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     forward = graph.call_function(aten.mul.Tensor, (rows, scales))
     grad = graph.call_function(aten.mul.Tensor, (scales, nodes["tangents_1"]))
-    backward = graph.call_function(aten.mul.Tensor, (rows, grad)) if read_in_backward else grad
+    if not read_in_backward:
+        backward = grad
+    elif with_gradient:
+        backward = graph.call_function(aten.mul.Tensor, (rows, grad))
+    else:
+        backward = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.abs.default, (rows,)), grad))
     graph.output((forward, backward))
     return graph, rows, scales
 
 
+@pytest.mark.parametrize("with_gradient", [True, False], ids=["with_gradient", "alone"])
 @pytest.mark.parametrize("select", [False, True], ids=["getitem", "index_select"])
-def test_fp8_rows_and_their_scales_read_by_the_backward_are_gathered_again(select):
-    graph, rows, scales = _joint(select=select)
+def test_fp8_rows_and_their_scales_read_by_the_backward_are_gathered_again(select, with_gradient):
+    graph, rows, scales = _joint(select=select, with_gradient=with_gradient)
     found = mark_fp8_row_gathers_recomputed(graph)
     assert [g.node for g in found] == [rows, scales]
     assert rows.meta["recompute"] == scales.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE
@@ -83,7 +92,7 @@ class Experts(torch.nn.Module):
         return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
 
 
-def _train_once(monkeypatch, regather: bool):
+def _train_once(monkeypatch, regather: bool, kernel: str = "emulated"):
     if not regather:
         monkeypatch.setattr(saved_for_backward, "mark_fp8_row_gathers_recomputed", lambda graph: [])
     torch._dynamo.reset()
@@ -91,7 +100,8 @@ def _train_once(monkeypatch, regather: bool):
     x = torch.randn(10, 128, generator=g).to(BF16).requires_grad_()
     idx, offs = torch.randint(0, 10, (40,), generator=g), torch.tensor([12, 30, 40], dtype=torch.int32)
     model = Experts()
-    options = {"recipe": "fp8_rowwise", "fp8_rowwise.wgrad_bf16": False, "passes": ["grouped_mm", "quantize_once"]}
+    options = {"recipe": "fp8_rowwise", "fp8_rowwise.kernel": kernel, "fp8_rowwise.wgrad_bf16": False,
+               "passes": ["grouped_mm", "quantize_once"]}
     compiled = torch.compile(model, backend="moepass", options=options)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
@@ -100,10 +110,19 @@ def _train_once(monkeypatch, regather: bool):
     return kept, [t.grad for t in (x, model.w1, model.w2, model.w3)]
 
 
-def test_a_compiled_quantize_once_model_keeps_the_token_rows_not_the_gathered_ones(monkeypatch):
-    kept, grads = _train_once(monkeypatch, regather=True)
+@pytest.fixture(params=["emulated", "scaled_mm"])
+def kernel(request):
+    """emulated: the ops as they run on CPU; scaled_mm: decomposed as on the GPU (the wgrad's token-group quantization
+    reading the gathered rows; torch._scaled_grouped_mm by a CPU stand-in)."""
+    if request.param == "scaled_mm":
+        request.getfixturevalue("scaled_grouped_mm_on_cpu")
+    return request.param
+
+
+def test_a_compiled_quantize_once_model_keeps_the_token_rows_not_the_gathered_ones(monkeypatch, kernel):
+    kept, grads = _train_once(monkeypatch, True, kernel)
     assert (E4M3, (10, 128)) in kept and (E4M3, (40, 128)) not in kept, kept
-    kept_before, grads_before = _train_once(monkeypatch, regather=False)
+    kept_before, grads_before = _train_once(monkeypatch, False, kernel)
     assert (E4M3, (40, 128)) in kept_before, kept_before  # what the partitioner keeps without the pass
     for got, want in zip(grads[1:], grads_before[1:]):
         assert torch.equal(got, want)  # the wgrads read the same rows, gathered again
