@@ -18,28 +18,22 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.checkpoint import CheckpointPolicy
 
-aten = torch.ops.aten
+from .analysis.row_gathers import gathered_from
+from .graph import tensor_meta
+
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowGather:
-    node: torch.fx.Node  # the gather: aten.index.Tensor(src, [index]) or aten.index_select(src, 0, index)
+    node: torch.fx.Node  # the gather (analysis.row_gathers.gathered_from: aten.index(src, [index]), index_select)
     source: torch.fx.Node
     index: torch.fx.Node
 
 
 def _row_gather(node: torch.fx.Node) -> RowGather | None:
-    """node as a gather of whole rows along dim 0, or None."""
-    if node.op != "call_function":
-        return None
-    if node.target is aten.index.Tensor:
-        src, indices = node.args[:2]
-        if len(indices) == 1 and isinstance(indices[0], torch.fx.Node):
-            return RowGather(node, src, indices[0])
-    elif node.target is aten.index_select.default and node.args[1] == 0:
-        return RowGather(node, node.args[0], node.args[2])
-    return None
+    found = gathered_from(node)
+    return None if found is None else RowGather(node, *found)
 
 
 def _forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -62,17 +56,10 @@ def _forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return forward
 
 
-def _dtype(node: torch.fx.Node):
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
 def _expands(gather: RowGather) -> bool:
     """The gather has at least as many rows as its source (keeping the source is no larger), known at compile time."""
-    out, src = gather.node.meta.get("val"), gather.source.meta.get("val")
-    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor) or src.dim() == 0:
-        return False
-    return statically_known_true(out.shape[0] >= src.shape[0])
+    out, src = tensor_meta(gather.node), tensor_meta(gather.source)  # gathered_from checked the source's
+    return out is not None and statically_known_true(out.shape[0] >= src.shape[0])
 
 
 def find_fp8_row_gathers(graph: torch.fx.Graph) -> list[RowGather]:
@@ -80,7 +67,7 @@ def find_fp8_row_gathers(graph: torch.fx.Graph) -> list[RowGather]:
     source, not already tagged by a recompute policy."""
     forward = _forward_nodes(graph)
     gathers = [g for g in map(_row_gather, graph.nodes) if g is not None and g.node in forward]
-    fp8_indices = {g.index for g in gathers if _dtype(g.node) in FLOAT8}
+    fp8_indices = {g.index for g in gathers if getattr(tensor_meta(g.node), "dtype", None) in FLOAT8}
     return [g for g in gathers if g.index in fp8_indices and "recompute" not in g.node.meta
             and any(user not in forward for user in g.node.users) and _expands(g)]
 

@@ -156,7 +156,7 @@ def token_group_cols_padded(t: Tensor, offs: Tensor, row_scale: Tensor | None = 
     q_t = torch.empty(d, padded_token_rows(tokens, experts), dtype=E4M3, device=t.device)
     scale = torch.empty(experts, d, dtype=torch.float32, device=t.device)
     padded_ends = torch.empty(experts, dtype=torch.int32, device=t.device)
-    # quant.dequantize's multiplier, from the same torch op, so the values are its own
+    # FP8 rows: quant.dequantize's multiplier, from the same torch op, so the values are its own; BF16: unread
     row_mult = scale if row_scale is None else row_scale.reshape(tokens).reciprocal()
     if block_d is None:
         block_d = BLOCK_D if triton.cdiv(d, BLOCK_D) * experts >= 512 else BLOCK_D // 2  # few experts: more programs
