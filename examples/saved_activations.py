@@ -3,8 +3,8 @@
     python examples/saved_activations.py --flavor 16B --layers 2 --batch 1 --seq 512 \
         --options '{"recipe": "fp8_rowwise"}' --out examples/results/saved_activations_16B_cpu.json
 
-Compiles the model once per variant (BF16 Inductor; moepass with its default passes; moepass with quantize_once,
-which keeps the experts' input rows in FP8) and runs one training forward under torch.autograd.graph.saved_tensors_hooks,
+Compiles the model once per variant (BF16 Inductor; moepass with its default passes; moepass without
+weights_before_gemm, whose backward keeps the experts' unweighted output) and runs one training forward under torch.autograd.graph.saved_tensors_hooks,
 summing the distinct storages the compiled forward saves for the backward (parameters excluded: every variant keeps
 them). This is the activation memory the backward holds, not a device's peak (allocator, workspaces, the optimizer):
 it runs on CPU too, where the FP8 recipes run emulated with the GPU kernels' quantization.
@@ -21,7 +21,7 @@ import torch
 from moepass.harness.model_spec import ModelSpec
 from moepass.harness.provenance import provenance
 
-VARIANTS = {"inductor": None, "moepass": {}, "moepass+quantize_once": {
+VARIANTS = {"inductor": None, "moepass": {}, "moepass-weights_before_gemm": {
     "passes": ["deepep", "grouped_mm", "quantize_once", "linear"]}}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import fx
 from torch.fx.node import map_arg
 
@@ -30,8 +31,8 @@ def fake_value(node: fx.Node, fake_mode) -> None:
     if fake_mode is None or any(example_value(a) is None for a in node.all_input_nodes):
         return
     args, kwargs = map_arg((node.args, node.kwargs), example_value)
-    try:
-        with fake_mode:
+    try:  # identity hooks: a user's saved-tensor hooks (activation offloading) must not see fake tensors
+        with fake_mode, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             value = getattr(args[0], node.target)(*args[1:], **kwargs) if node.op == "call_method" \
                 else node.target(*args, **kwargs)
     except Exception as error:  # a later pass then sees no metadata and says so; AOTAutograd retraces anyway

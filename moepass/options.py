@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 ENV_VAR = "MOEPASS_OPTIONS"
 _ENV_EXAMPLE = '{"passes": ["linear"]}'
 
-PIPELINE = ("deepep", "grouped_mm", "quantize_once", "linear")
+PIPELINE = ("deepep", "weights_before_gemm", "grouped_mm", "quantize_once", "linear")
 """All passes, in the order they run. `options["passes"]` picks a subset; order stays this one."""
 
 DEFAULT_PASSES = PIPELINE

@@ -63,8 +63,17 @@ class SkipCode(enum.Enum):
                            "experts, BF16 rows saved for the wgrad), or its backend is DeepEP, which does not send "
                            "FP8 rows through moepass yet", "`quantize_once.saved_rows: fp8`; `deepep.backend: "
                            "reference` to send FP8 rows over torch.distributed")
-    REWRITE_ERROR = ("quantize_once", "could not rewrite", "an unexpected error while rewriting (the GEMM stays as "
-                     "grouped_mm left it)", "report it: a bug")
+    # ---- weights_before_gemm
+    OUTPUT_READ_ELSEWHERE = ("weights_before_gemm", "unweighted output is also read", "the GEMM's output is read "
+                             "besides its product with the routing weights (returned, logged, another op), so the "
+                             "backward would keep it anyway", "-")
+    WEIGHT_WITH_BIAS = ("weights_before_gemm", "has a bias", "the GEMM adds a bias, which a weight moved onto its "
+                        "input would scale too", "-")
+    WEIGHT_ON_DTENSORS = ("weights_before_gemm", "operands are DTensors", "tensor parallelism: the weight stays on "
+                          "the output, where the DTensor placements were planned", "-")
+    # ---- quantize_once, weights_before_gemm
+    REWRITE_ERROR = ("quantize_once, weights_before_gemm", "could not rewrite", "an unexpected error while "
+                     "rewriting (the GEMM stays as the earlier passes left it)", "report it: a bug")
     # ---- deepep
     NOT_A_PAIR = ("deepep", "not part of a dispatch/combine pair", "an all-to-all that is not an MoE token exchange "
                   "(no later all-to-all sends the rows back)", "-")

@@ -208,13 +208,32 @@ def check_all_passes_match_mxfp8_without_deepep(rank, world_size):
     model = _debug_model(n_layers=2)
     tokens = _tokens(rank)
     want = _run(model, tokens, {"passes": ["mxfp8_grouped_mm", "mxfp8_linear"], "inductor": False})
-    got = _run(model, tokens, {"inductor": False})
+    from moepass.options import DEFAULT_PASSES
+
+    everything = list(DEFAULT_PASSES)
+    got = _run(model, tokens, {"passes": [p for p in everything if p != "weights_before_gemm"], "inductor": False})
     passes = {p["name"]: p for p in got[2]["passes"]}
     assert passes["deepep"]["replaced"] == 1
     # the grouped GEMMs, now fed the dispatched (row, expert) pairs, are still recognised
     assert passes["grouped_mm"]["replaced"] == 3 and passes["grouped_mm"]["skipped"] == []
     # same rows per expert, in the same order: the MXFP8 blocks (also the 1x32 token blocks of wgrad) agree
     _assert_bitwise(got, want)
+
+    # with every default pass: the deepep pass weights the experts' received-order output rows, which is what
+    # weights_before_gemm moves onto the down projection's input; MXFP8 then quantizes weighted rows (other codes),
+    # so the check is against BF16: no further from it than the rewrite without the moved weight
+    moved = _run(model, tokens, {"passes": everything, "inductor": False})
+    record = {p["name"]: p for p in moved[2]["passes"]}["weights_before_gemm"]
+    assert [r["module"] for r in record["rewrites"]] == ["layers.1.moe.experts"], record
+    bf16 = _run(model, tokens, {"passes": ["deepep"], "inductor": False})
+
+    def err(run, name=None):
+        a, b = (run[0], bf16[0]) if name is None else (run[1][name], bf16[1][name])
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert err(moved) <= 1.5 * err(got) + 1e-3, (err(moved), err(got))
+    for name in got[1]:
+        assert err(moved, name) <= 1.5 * err(got, name) + 1e-3, (name, err(moved, name), err(got, name))
 
 
 def test_all_passes_equal_mxfp8_passes_without_deepep(rank_pool):
