@@ -76,13 +76,13 @@ def per_layer(deep: dict, shallow: dict, peer: str | None = None) -> dict:
 def table(result: dict) -> str:
     deep, shallow = result["layers"]
     peer = result["peer"]
-    head = f"{'variant':<18} {'ms per MoE layer':>17} {'speedup':>8}"
+    head = f"{'variant':<19} {'ms per MoE layer':>17} {'speedup':>8}"
     head += f" {'/ ' + peer:>16}" if peer else ""
     head += f" {f'peak GiB ({deep} layers)':>20} {'peak ratio':>10}"
     lines = [f"per MoE layer = (step at {deep} layers - step at {shallow}) / {deep - shallow}; "
              f"baseline {result['baseline']}", head, "-" * len(head)]
     for name, r in result["variants"].items():
-        line = f"{name:<18} {r['layer_ms']:>17.1f} {r['speedup']:>7.3f}x"
+        line = f"{name:<19} {r['layer_ms']:>17.1f} {r['speedup']:>7.3f}x"
         line += f" {r['speedup_vs_peer']:>15.3f}x" if peer else ""
         line += f" {r['peak_gib_deep']:>20.1f} {r['peak_vs_baseline']:>9.3f}x"
         lines.append(line)

@@ -238,14 +238,14 @@ class Report:
                     "graph breaks were counted then)") if self.replayed else ""
         calls = f", {self.compile_calls} torch.compile calls" if self.compile_calls > 1 else ""
         lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){calls}{replayed}",
-                 f"{'pass':<18} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation"]
+                 f"{'pass':<19} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation"]
         if self.frames_eager:
             lines.insert(1, f"warning: {self.frames_eager} frame(s) fell back to eager (graph breaks Dynamo could not "
                             "split at: inside an activation-checkpointed layer, in a loop); the GEMMs they run "
                             "themselves never reach moepass and stay BF16 (TORCH_LOGS=graph_breaks says where)")
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"
-            lines.append(f"{p.name:<18} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")
+            lines.append(f"{p.name:<19} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")
         if len(self.graphs) > 1:
             lines += self._graph_rows(max_graphs)
         groups: dict[tuple[str, str], list[str]] = {}

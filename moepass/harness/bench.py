@@ -70,7 +70,7 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
                 profiler.on_step(r.step)
             if r.step == 0 or (r.step + 1) % log_every == 0 or r.step + 1 == total:
                 phase = "warm-up" if r.step < warmup else "profile" if r.step >= steps else "timed"
-                say(f"  {variant.name:<18} step {r.step + 1:>4}/{total}  loss {r.loss:8.4f}  "
+                say(f"  {variant.name:<19} step {r.step + 1:>4}/{total}  loss {r.loss:8.4f}  "
                     f"{r.seconds * 1e3:10.1f} ms  ({phase})", ranks.rank)
 
         # the loss is compiled with the model (one graph, as a training stack compiles it), in every variant
@@ -125,17 +125,17 @@ def _fmt_bytes(n: int | None) -> str:
 
 
 def table(entries: list[dict], world: int) -> str:
-    head = (f"{'variant':<18} {'status':<7} {'tokens/s median (min-max)':>30} {'tok/s/device':>13} "
+    head = (f"{'variant':<19} {'status':<7} {'tokens/s median (min-max)':>30} {'tok/s/device':>13} "
             f"{'step ms':>10} {'peak mem':>11} {'compile s':>10} {'speedup':>8}")
     lines = [head, "-" * len(head)]
     for e in entries:
         if e["status"] != "ok":
             status = "n/a" if e["status"] == "unavailable" else "FAILED"
-            lines.append(f"{e['name']:<18} {status:<7} {error_summary(e['error'])}")
+            lines.append(f"{e['name']:<19} {status:<7} {error_summary(e['error'])}")
             continue
         tps = f"{e['tokens_per_s_median']:,.0f} ({e['tokens_per_s_min']:,.0f}-{e['tokens_per_s_max']:,.0f})"
         comp = "-" if e["compile_s"] is None else f"{e['compile_s']:.1f}"
-        lines.append(f"{e['name']:<18} {'ok':<7} {tps:>30} {e['tokens_per_s_per_device_median']:>13,.0f} "
+        lines.append(f"{e['name']:<19} {'ok':<7} {tps:>30} {e['tokens_per_s_per_device_median']:>13,.0f} "
                      f"{e['step_ms_median']:>10.1f} {_fmt_bytes(e['peak_mem_bytes']):>11} {comp:>10} "
                      f"{e['speedup_vs_baseline']:>7.2f}x")
     if world > 1:

@@ -94,7 +94,7 @@ def train_variant(variant: Variant, spec: ModelSpec, batches, val_batches, *, st
 
         def on_step(r) -> None:
             if r.step == 0 or (r.step + 1) % log_every == 0 or r.step + 1 == steps:
-                say(f"  {variant.name:<18} step {r.step + 1:>5}/{steps}  loss {r.loss:8.4f}  {r.seconds * 1e3:9.1f} ms")
+                say(f"  {variant.name:<19} step {r.step + 1:>5}/{steps}  loss {r.loss:8.4f}  {r.seconds * 1e3:9.1f} ms")
 
         results = train(model, loss_of, batches, steps, device, lr=lr, on_step=on_step, lr_warmup=lr_warmup,
                         loss_included=True)
@@ -254,16 +254,16 @@ def summary(runs: dict, args) -> str:
     every = max(1, steps // 10)
     for s in [*range(0, steps, every), *([steps - 1] if (steps - 1) % every else [])]:
         lines.append(f"{s + 1:>4}  " + "".join(f"{r['loss'][s]:>18.4f}" for r in ok.values()))
-    lines.append(f"\n{'variant':<18} {'final loss':>11} {'val loss':>10} {'final gap':>10} {'val gap':>8} "
+    lines.append(f"\n{'variant':<19} {'final loss':>11} {'val loss':>10} {'final gap':>10} {'val gap':>8} "
                  f"{'max window gap':>15}")
     for n, r in runs.items():
         if r["status"] != "ok":
-            lines.append(f"{n:<18} {'n/a' if r['status'] == 'unavailable' else 'FAILED'}: {error_summary(r['error'])}")
+            lines.append(f"{n:<19} {'n/a' if r['status'] == 'unavailable' else 'FAILED'}: {error_summary(r['error'])}")
             continue
         gap = "-" if "final_loss_gap_rel" not in r else f"{r['final_loss_gap_rel'] * 100:.3f}%"
         val = "-" if "val_loss_gap_rel" not in r else f"{r['val_loss_gap_rel'] * 100:.3f}%"
         win = "-" if "max_window_gap_rel" not in r else f"{r['max_window_gap_rel'] * 100:.3f}%"
-        lines.append(f"{n:<18} {r['final_loss']:>11.4f} {r['val_loss']:>10.4f} {gap:>10} {val:>8} {win:>15}")
+        lines.append(f"{n:<19} {r['final_loss']:>11.4f} {r['val_loss']:>10.4f} {gap:>10} {val:>8} {win:>15}")
     lines.append(f"final loss = mean training loss over the last {min(args.window, steps)} steps "
                  "(the same batches in every run)")
     return "\n".join(lines)
