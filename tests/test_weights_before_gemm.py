@@ -174,3 +174,62 @@ def test_the_backward_keeps_no_unweighted_expert_output_also_under_a_users_saved
     rows = 64 * experts.top_k
     less = {dtype: saved["without"][dtype] - saved["with"].get(dtype, 0) for dtype in saved["without"]}
     assert less == {**{dtype: 0 for dtype in less}, "bfloat16": rows * 128 * 2}, saved  # [N, D] BF16, nothing else
+
+
+# ---------------------------------------------------------------- models this project did not write
+
+
+def _torchtitan(n_layers: int = 3):
+    pytest.importorskip("torchtitan")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12):
+        pytest.skip("torchtitan 0.3.0 needs torch >= 2.12")
+    from realstack.titan_configs import tiny_debugmodel
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.tools.utils import set_default_dtype
+
+    config = tiny_debugmodel(n_layers=n_layers)
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    with torch.device("cpu"), set_default_dtype(BF16):
+        model = config.build()
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
+    return model, lambda m: m(tokens), [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
+
+
+def _transformers():
+    pytest.importorskip("transformers")
+    from test_hf_families import build
+
+    model = build("DeepseekV3")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    moe = [n for n, m in model.named_modules() if type(m).__name__ == "DeepseekV3Experts"]
+    return model, lambda m: m(ids).logits, moe
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`:UserWarning")
+@pytest.mark.parametrize("make", [_torchtitan, _transformers], ids=["torchtitan", "transformers"])
+def test_unmodified_models_get_their_routing_weights_moved(make):
+    """torchtitan's `(out.to(float32) * scores.reshape(-1, 1)).to(bf16)` in its token dispatcher's combine, and
+    transformers' grouped_mm experts' `proj_out * sample_weights_g.unsqueeze(-1)`: one rewrite per MoE layer, the
+    loss and every gradient as near eager as BF16 rounding allows."""
+    model, call, experts = make()
+    assert experts, "no MoE layer found in the model"
+    runs = []
+    for options in (None, ONLY):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        with moepass.collecting() as report:
+            out = call(m if options is None else torch.compile(m, backend="moepass", options=options))
+            out.float().square().mean().backward()
+        runs.append((out.detach().float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None},
+                     report))
+    (ref, ref_grads, _), (out, grads, report) = runs
+    record = next(p for p in report.pass_totals() if p.name == "weights_before_gemm")
+    assert sorted(r.module for r in record.rewrites) == sorted(experts) and record.skipped == [], record
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert ((grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-12)).item() < 5e-2, name
