@@ -643,6 +643,20 @@ def scaled_grouped_mm_on_cpu(scaled_mm_on_cpu):
     lib._destroy()
 
 
+# ---------------------------------------------------------------- scripts under examples/
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (the scripts are not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------- a tiny DeepSeek-V3 for the harness tests
 
 # the debug DeepSeek-V3 shrunk for a 2-core CPU: every MXFP8 K/N still a multiple of 32

@@ -384,18 +384,9 @@ def _torchtitan_debugmodel():
     pytest.importorskip("torchtitan")
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12):
         pytest.skip("torchtitan 0.3.0 needs torch >= 2.12")
-    from realstack.titan_configs import tiny_debugmodel
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.tools.utils import set_default_dtype
+    from realstack.titan_configs import sdpa_debugmodel
 
-    config = tiny_debugmodel(n_layers=2)
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(0)
-    with torch.device("cpu"), set_default_dtype(BF16):
-        model = config.build()
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
+    model = sdpa_debugmodel(n_layers=2)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
     return model, lambda m: m(tokens), 3
 

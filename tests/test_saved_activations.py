@@ -1,19 +1,11 @@
 """examples/saved_activations.py: the bytes a forward keeps for its backward, parameters excluded."""
 
-import importlib.util
-import os
-
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import load_example
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("saved_activations",
-                                                  os.path.join(REPO, "examples", "saved_activations.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("saved_activations")
 
 
 class Block(torch.nn.Module):

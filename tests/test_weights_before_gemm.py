@@ -9,8 +9,6 @@ same module: the moved product may not be further from it than the model's own B
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -18,10 +16,9 @@ import torch.nn.functional as F
 
 import moepass
 from moepass.skips import SkipCode
-from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
+from helpers import load_example, scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONLY = {"passes": ["weights_before_gemm"], "inductor": False}
 ENDS = (0, 10, 25, 40)  # expert group ends of the 40 rows
 
@@ -133,14 +130,6 @@ def test_a_product_that_is_no_row_weight_is_not_touched_or_reported(spelling):
     assert record["rewrites"] == [] and record["skipped"] == [], record
 
 
-def _saved_activations():
-    spec = importlib.util.spec_from_file_location("saved_activations",
-                                                  os.path.join(REPO, "examples", "saved_activations.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(params=["emulated", "scaled_mm"])
 def kernel(request):
     """emulated: FP8 rowwise as it runs on CPU; scaled_mm: decomposed as on the GPU (torch._scaled_mm and
@@ -167,7 +156,7 @@ def test_the_backward_keeps_no_unweighted_expert_output_also_under_a_users_saved
             compiled = torch.compile(spec.build(0, torch.device("cpu")), backend="moepass",
                                      options={"passes": passes, "recipe": "fp8_rowwise",
                                               "fp8_rowwise.kernel": kernel})
-            saved[name] = _saved_activations().saved_bytes(compiled, tokens)["by_dtype"]
+            saved[name] = load_example("saved_activations").saved_bytes(compiled, tokens)["by_dtype"]
         reports[name] = {p["name"]: p for p in report.to_dict()["passes"]}
     assert len(reports["with"]["weights_before_gemm"]["rewrites"]) == 1, reports["with"]["weights_before_gemm"]
     experts = spec.build(0, torch.device("cpu")).layers[0].moe
@@ -183,18 +172,9 @@ def _torchtitan(n_layers: int = 3):
     pytest.importorskip("torchtitan")
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12):
         pytest.skip("torchtitan 0.3.0 needs torch >= 2.12")
-    from realstack.titan_configs import tiny_debugmodel
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.tools.utils import set_default_dtype
+    from realstack.titan_configs import sdpa_debugmodel
 
-    config = tiny_debugmodel(n_layers=n_layers)
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    torch.manual_seed(0)
-    with torch.device("cpu"), set_default_dtype(BF16):
-        model = config.build()
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
+    model = sdpa_debugmodel(n_layers=n_layers)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
     return model, lambda m: m(tokens), [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
 

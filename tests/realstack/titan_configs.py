@@ -55,6 +55,24 @@ def tiny_debugmodel(n_layers: int = 2, dim: int = 128):
     )
 
 
+def sdpa_debugmodel(n_layers: int = 2):
+    """tiny_debugmodel built in BF16 on CPU with SDPA attention (not flex), its buffers initialised: the model the
+    pass tests compile directly, without torchtitan's trainer."""
+    import torch
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.tools.utils import set_default_dtype
+
+    config = tiny_debugmodel(n_layers=n_layers)
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    with torch.device("cpu"), set_default_dtype(torch.bfloat16):
+        model = config.build()
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
 def _debugmodel_config(model=None):
     """torchtitan's deepseek_v3_debugmodel trainer config, its model replaced by `model` when given."""
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
