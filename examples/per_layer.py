@@ -4,7 +4,8 @@ A shallow proxy of DeepSeek-V3 spends much of its step outside the MoE layers (t
 of a 3-layer proxy's FLOPs, and it stays BF16), so its whole-step speedup understates what a 61-layer model gets.
 The cost of one more MoE layer is (step(deep) - step(shallow)) / (deep - shallow) layers, for every variant the
 two runs share; the speedup per layer is the baseline's per-layer time over the variant's. A peer variant (for
-example torchao_fp8) gets the ratio of the two speedups. Peak memory is reported at the deeper run, as is.
+example torchao_fp8) gets the ratio of the two speedups. Peak memory is reported at the deeper run, as is; where
+the runs recorded it (CUDA), so is what one more layer keeps for its backward.
 
     moepass bench ... --layers 5 --out deep && moepass bench ... --layers 2 --out shallow
     python examples/per_layer.py deep/bench.json shallow/bench.json --peer torchao_fp8 [--out per_layer.json]
@@ -64,6 +65,10 @@ def per_layer(deep: dict, shallow: dict, peer: str | None = None) -> dict:
                 "speedup": layer_ms[baseline] / layer_ms[n],
                 "peak_gib_deep": runs["deep"][n]["peak_mem_bytes"] / 2**30,
                 "peak_vs_baseline": runs["deep"][n]["peak_mem_bytes"] / base_peak} for n in names}
+    for n in names:  # what one more MoE layer keeps for the backward (bench records it on CUDA)
+        kept = [runs[which][n].get("kept_for_backward_bytes") for which in ("deep", "shallow")]
+        if None not in kept:
+            rows[n]["kept_gib_per_layer"] = (kept[0] - kept[1]) / extra / 2**30
     if peer is not None:
         if peer not in rows:
             raise SystemExit(f"per_layer: the peer {peer!r} did not finish in both runs (have: {', '.join(names)})")
@@ -85,6 +90,8 @@ def table(result: dict) -> str:
         line = f"{name:<19} {r['layer_ms']:>17.1f} {r['speedup']:>7.3f}x"
         line += f" {r['speedup_vs_peer']:>15.3f}x" if peer else ""
         line += f" {r['peak_gib_deep']:>20.1f} {r['peak_vs_baseline']:>9.3f}x"
+        if "kept_gib_per_layer" in r:
+            line += f"  kept for the backward {r['kept_gib_per_layer']:.2f} GiB per layer"
         lines.append(line)
     return "\n".join(lines)
 

@@ -83,6 +83,10 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
             entry["passes"] = {p.name: len(p.rewrites) for p in report.pass_totals()}
         step_s = [r.seconds for r in results[:steps]]
         peak = memory.peak()
+        last = results[steps - 1]  # a timed step: what a steady-state step holds at the forward's end
+        if last.allocated_before_forward is not None:
+            entry["memory_before_forward_bytes"] = last.allocated_before_forward
+            entry["kept_for_backward_bytes"] = last.allocated_after_forward - last.allocated_before_forward
         if profiler:
             entry["profile"] = profiler.rows
         del model, optimizer

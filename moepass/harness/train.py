@@ -28,6 +28,15 @@ class StepResult:
     step: int
     loss: float
     seconds: float
+    # CUDA allocator bytes in use before the forward and right after it (None off CUDA): their difference is what
+    # the forward keeps for the backward (saved activations and the loss), the part of a peak a recipe can change
+    allocated_before_forward: int | None = None
+    allocated_after_forward: int | None = None
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """The allocator's bookkeeping, read on the host: no synchronization, so the step's timing is not disturbed."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def synchronize(device: torch.device) -> None:
@@ -70,12 +79,14 @@ def train(model: torch.nn.Module, forward: Callable, batches, steps: int, device
         inputs, targets = (t.to(device, non_blocking=True) for t in batches[i])
         synchronize(device)
         start = time.perf_counter()
+        before = allocated_bytes(device)
         loss = forward(inputs, targets) if loss_included else next_token_loss(forward(inputs), targets)
+        after = allocated_bytes(device)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         synchronize(device)
-        r = StepResult(i, loss.item(), time.perf_counter() - start)
+        r = StepResult(i, loss.item(), time.perf_counter() - start, before, after)
         results.append(r)
         if on_step:
             on_step(r)

@@ -76,3 +76,17 @@ def test_cli_writes_the_json(tmp_path, capsys):
     assert per_layer.main([*paths, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["variants"]["all"]["speedup"] == pytest.approx(1.25)
     assert "ms per MoE layer" in capsys.readouterr().out
+
+
+def test_what_one_more_layer_keeps_for_the_backward_is_the_difference_of_depths():
+    deep = bench(5, {"inductor": 800.0, "all": 650.0}, PEAKS)
+    shallow = bench(2, {"inductor": 400.0, "all": 350.0}, PEAKS)
+    for run, kept in ((deep, {"inductor": 40, "all": 31}), (shallow, {"inductor": 16, "all": 13})):
+        for v in run["variants"]:
+            v["kept_for_backward_bytes"] = kept[v["name"]] * GIB
+    r = per_layer.per_layer(deep, shallow)["variants"]
+    assert r["inductor"]["kept_gib_per_layer"] == pytest.approx(8.0)
+    assert r["all"]["kept_gib_per_layer"] == pytest.approx(6.0)
+    assert "kept for the backward 6.00 GiB per layer" in per_layer.table(per_layer.per_layer(deep, shallow))
+    del deep["variants"][1]["kept_for_backward_bytes"]  # recorded in one run only (a CPU run): left out
+    assert "kept_gib_per_layer" not in per_layer.per_layer(deep, shallow)["variants"]["all"]
