@@ -23,6 +23,27 @@ class Block(torch.nn.Module):
 def test_counts_each_saved_storage_once_and_no_parameter():
     x = torch.randn(5, 8, requires_grad=True)
     measured = _script().saved_bytes(Block(), x)
-    assert measured == {"total": 5 * 8 * 4 + 5 * 32 * 4, "by_dtype": {"float32": 5 * 8 * 4 + 5 * 32 * 4}}
+    assert measured["total"] == 5 * 8 * 4 + 5 * 32 * 4 and measured["by_dtype"] == {"float32": measured["total"]}
+    assert measured["by_shape"] == [{"shape": [5, 32], "dtype": "float32", "count": 1, "bytes": 5 * 32 * 4},
+                                    {"shape": [5, 8], "dtype": "float32", "count": 1, "bytes": 5 * 8 * 4}]
     measured = _script().saved_bytes(Block().to(torch.bfloat16), x.detach().to(torch.bfloat16).requires_grad_())
     assert measured["by_dtype"] == {"bfloat16": (5 * 8 + 5 * 32) * 2}
+
+
+def test_a_forward_other_than_the_model_is_measured_with_the_models_parameters_left_out():
+    block = Block()
+    x = torch.randn(5, 8, requires_grad=True)
+    measured = _script().saved_bytes(block, x, forward=lambda x: block(x).square().sum())
+    assert measured["total"] == 5 * 8 * 4 + 5 * 32 * 4 + 5 * 8 * 4  # and square's input, block's output
+
+
+def test_the_cli_with_the_loss_compiled_in_keeps_more_than_without(tmp_path):
+    script = _script()
+    args = ["--flavor", "debug", "--model-overrides", '{"n_layers": 1, "n_dense_layers": 1, "dim": 64, '
+            '"inter_dim": 128, "vocab_size": 256, "n_heads": 2, "kv_lora_rank": 32}', "--seq", "16",
+            "--variants", "inductor"]
+    without = script.main(args)["variants"]["inductor"]
+    with_loss = script.main([*args, "--with-loss", "--out", str(tmp_path / "s.json")])["variants"]["inductor"]
+    assert with_loss["total"] > without["total"]
+    assert {"shape": [16, 256], "dtype": "bfloat16"}.items() <= next(
+        r for r in with_loss["by_shape"] if r["shape"] == [16, 256]).items()  # the logits the loss keeps
