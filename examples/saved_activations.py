@@ -47,7 +47,8 @@ def saved_bytes(model: torch.nn.Module, *inputs: torch.Tensor, forward=None) -> 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = (model if forward is None else forward)(*inputs)  # the forward saves what its backward will read; no backward needs to run
+        # the forward saves what its backward will read; no backward needs to run
+        out = (model if forward is None else forward)(*inputs)
     del out
     by_dtype: dict[str, int] = {}
     by_shape: dict[tuple, list[int]] = {}
