@@ -1,7 +1,9 @@
 """examples/saved_activations.py: the bytes a forward keeps for its backward, parameters excluded."""
 
+import json
+
 import torch
-from helpers import load_example
+from helpers import TINY, load_example
 
 
 def _script():
@@ -39,11 +41,10 @@ def test_a_forward_other_than_the_model_is_measured_with_the_models_parameters_l
 
 def test_the_cli_with_the_loss_compiled_in_keeps_more_than_without(tmp_path):
     script = _script()
-    args = ["--flavor", "debug", "--model-overrides", '{"n_layers": 1, "n_dense_layers": 1, "dim": 64, '
-            '"inter_dim": 128, "vocab_size": 256, "n_heads": 2, "kv_lora_rank": 32}', "--seq", "16",
-            "--variants", "inductor"]
+    args = ["--flavor", "debug", "--model-overrides", json.dumps(TINY), "--seq", "16", "--variants", "inductor"]
     without = script.main(args)["variants"]["inductor"]
     with_loss = script.main([*args, "--with-loss", "--out", str(tmp_path / "s.json")])["variants"]["inductor"]
     assert with_loss["total"] > without["total"]
-    assert {"shape": [16, 256], "dtype": "bfloat16"}.items() <= next(
-        r for r in with_loss["by_shape"] if r["shape"] == [16, 256]).items()  # the logits the loss keeps
+    vocab = TINY["vocab_size"]
+    assert {"shape": [16, vocab], "dtype": "bfloat16"}.items() <= next(
+        r for r in with_loss["by_shape"] if r["shape"] == [16, vocab]).items()  # the logits the loss keeps
