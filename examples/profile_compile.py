@@ -39,6 +39,7 @@ def _child(args) -> dict:
     from moepass.harness.train import with_loss
     from moepass.harness.variants import parse_custom_variant, resolve_variants
 
+    # this child process is the whole program: every variant (Inductor's too) traces EP split sizes in one graph
     torch._dynamo.config.capture_scalar_outputs = True
     device = torch.device(args.device)
     custom = dict(parse_custom_variant(spec) for spec in args.variant_options)

@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import fx
 
-from . import collect, recipes
+from . import collect, dynamo_flags, recipes
 from .cache_key import CompiledGraphAudit
 from .saved_for_backward import SavedForBackward
 from .options import Config
@@ -21,11 +21,9 @@ from .pipeline import run_pipeline
 
 log = logging.getLogger(__name__)
 
-# Importing this module is what torch.compile(backend="moepass") does before tracing. EP regions
-# need host split sizes (.tolist()) and data-dependent receive sizes inside one graph, so the
-# user should not have to set these Dynamo flags themselves.
-torch._dynamo.config.capture_scalar_outputs = True
-torch._dynamo.config.capture_dynamic_output_shape_ops = True
+# EP regions need host split sizes (.tolist()) and data-dependent receive sizes inside one graph: the Dynamo flags
+# for that are turned on while a frame compiled for moepass is traced, never process-wide (other compiles keep theirs)
+dynamo_flags.install()
 
 
 def inductor_patches(config: Config) -> dict:

@@ -15,7 +15,9 @@ flex_attention. `install(options)` puts into `torch._inductor.config` what `moep
                                  still reports every graph's rewrites
     decompositions               the recipes' decompositions (FP8-rowwise "scaled_mm") added to Inductor's
                                  default table (moepass's own ops are their only keys, so no other graph changes)
-    Dynamo flags                 capture_scalar_outputs, capture_dynamic_output_shape_ops
+    Dynamo flags                 capture_scalar_outputs, capture_dynamic_output_shape_ops: on while Dynamo traces a
+                                 frame for Inductor, with the backend's fallback (moepass/dynamo_flags.py); never
+                                 set in torch._dynamo.config, so other backends' compiles keep theirs
 
 `uninstall()` puts back each value it replaced that still holds what it set. Options: `install(options)`, else
 MOEPASS_OPTIONS. `inductor.mode` / `inductor.options` / `inductor=False` do not apply here (torch.compile's own
@@ -36,7 +38,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import collect, recipes
+from . import collect, dynamo_flags, recipes
 from .cache_key import CompiledGraphAudit, source_hash
 from .saved_for_backward import SavedForBackward
 from .options import Config, OptionsError
@@ -44,9 +46,6 @@ from .pipeline import run_pipeline
 from .report import GraphRecord
 
 log = logging.getLogger(__name__)
-
-DYNAMO_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
-"""What moepass.backend sets at import: EP regions need host split sizes and data-dependent receive sizes."""
 
 INDUCTOR_SLOTS = ("pre_grad_custom_pass", "post_grad_custom_post_pass", "joint_custom_pre_pass")
 """Inductor config entries the route fills; one already holding someone else's pass is refused, not replaced."""
@@ -145,7 +144,6 @@ class _Installation:
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
                          "post_grad_custom_post_pass": RouteAudit(self.pre_grad, recipes.cache_variant(_settled(config))),
                          "joint_custom_pre_pass": SavedForBackward()}
-        self.dynamo = dict(DYNAMO_FLAGS)
         self.decompositions: dict = {}
         self.replaced: dict[tuple[Any, str], Any] = {}  # (config module, name) -> value before install
 
@@ -155,7 +153,7 @@ class _Installation:
 
     def restore(self) -> None:
         """Put back each replaced value that still holds what install() set (a later change is left alone)."""
-        set_values = {**self.inductor, **self.dynamo, "pre_grad_pass_timing": "early"}
+        set_values = {**self.inductor, "pre_grad_pass_timing": "early"}
         for (module, name), before in self.replaced.items():
             now = getattr(module, name)
             if now is set_values[name] or (isinstance(now, (bool, str)) and now == set_values[name]):
@@ -193,8 +191,7 @@ def install(options: dict | None = None) -> Config:
         state.set(inductor_config, slot, custom_pass)
     if hasattr(inductor_config, "pre_grad_pass_timing"):  # torch >= 2.12; earlier ones always run it early
         state.set(inductor_config, "pre_grad_pass_timing", "early")
-    for flag, value in state.dynamo.items():
-        state.set(torch._dynamo.config, flag, value)
+    dynamo_flags.install()  # the EP flags for Inductor's frames while installed() (it asks), not process-wide
     # the backend passes these as compile_fx(decompositions=); under backend="inductor" the default table is read
     state.decompositions = recipes.decompositions(_settled(config))
     inductor_table.update(state.decompositions)

@@ -73,7 +73,8 @@ def run_variant(variant: Variant, spec: ModelSpec, batches, *, steps: int, warmu
                 say(f"  {variant.name:<19} step {r.step + 1:>4}/{total}  loss {r.loss:8.4f}  "
                     f"{r.seconds * 1e3:10.1f} ms  ({phase})", ranks.rank)
 
-        # the loss is compiled with the model (one graph, as a training stack compiles it), in every variant
+        # the loss is compiled with the model (one graph, as a training stack compiles it), in every variant; the bench
+        # is the whole program: its EP variants (Inductor's too) trace split sizes in one graph, for this block only
         with collecting() as report, torch._dynamo.config.patch(capture_scalar_outputs=ep > 1):
             results = train(model, variant.compile(with_loss(model)), batches, total, ranks.device, lr=lr,
                             on_step=on_step, optimizer=optimizer, loss_included=True)
