@@ -27,11 +27,18 @@ import torch.nn.functional as F
 from helpers import rank_pool  # noqa: F401  (a fixture)
 from torch import nn
 
-import moepass.backend  # noqa: F401  (turns on capture_scalar_outputs / capture_dynamic_output_shape_ops)
+from moepass.dynamo_flags import FLAGS
 from moepass.analysis.bounded_ids import ids_bound
 from moepass.analysis.counts_length import bincount_lengths
 
 DIM, EXPERTS, TOP_K, RANKS = 64, 8, 2, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ep_capture_flags():
+    """The graphs here are captured by the tests' own backends, which moepass gives no flags: set what its frames get."""
+    with torch._dynamo.config.patch(FLAGS):
+        yield
 
 
 def _graph(fn, *args) -> torch.fx.GraphModule:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from helpers import rank_pool  # noqa: F401  (a fixture)
 
 import ep_catalog_bounded
+from moepass.dynamo_flags import FLAGS
 
 # Today's outcome of the deepep pass per block, for the lead to flip as the pass learns: True = the region is
 # replaced by moepass::ep_dispatch/ep_combine; a string = left alone, with that substring in the skip reason.
@@ -61,7 +62,8 @@ def _counts_length(block, x) -> str:
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(block, backend=record, fullgraph=True)(x)
+    with torch._dynamo.config.patch(FLAGS):  # this capturing backend is not moepass: it gets no flags of moepass's
+        torch.compile(block, backend=record, fullgraph=True)(x)
     (gm,) = graphs
     lengths = [n.meta["example_value"].shape[0] for n in gm.graph.nodes if n.target is torch.bincount]
     if not lengths:
@@ -72,8 +74,6 @@ def _counts_length(block, x) -> str:
 def check_block(rank, world_size, name, inductor=False, empty_rank=None, dynamic=None):
     import moepass
 
-    torch._dynamo.config.capture_scalar_outputs = True
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     block = ep_catalog_bounded.build(name, dist.group.WORLD)
     batch = 0 if rank == empty_rank else 2
     x = torch.randn(batch, 8, 64, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import moepass.backend  # noqa: F401  (turns on capture_scalar_outputs / capture_dynamic_output_shape_ops)
+from moepass.dynamo_flags import FLAGS
 from moepass.analysis.ep_region import find_ep_regions
 from moepass.left_alone import explain
 
@@ -31,6 +31,13 @@ CHANGES = {
     "no_regroup", "no_unpermute", "echo", "group_sizes_wrong_layout", "dense_experts",
     "experts_read_received_shape", "mean_combine", "scale_experts", "scale_experts_by_group_sizes",
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ep_capture_flags():
+    """The graphs here are captured by the tests' own backends, which moepass gives no flags: set what its frames get."""
+    with torch._dynamo.config.patch(FLAGS):
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -156,7 +156,8 @@ def test_set_ep_group_keeps_this_ranks_experts():
 
 
 def _check_ep_compile(rank, world_size, backend):
-    # split sizes come from .tolist(): without this they graph-break; with it they are unbacked SymInts
+    # split sizes come from .tolist(): without this they graph-break; with it they are unbacked SymInts. Set for this
+    # fresh rank process's own compiles (aot_eager / inductor: moepass turns it on for its own frames only)
     torch._dynamo.config.capture_scalar_outputs = True
     torch.manual_seed(0)
     model = build_model("debug", n_layers=2, ep_group=dist.group.WORLD)

@@ -167,6 +167,7 @@ def _check_rank(rank: int, world_size: int, port: int) -> None:
         if rank == 0:
             print(f"{count_exchange}: EP loss/grads == single-process model ({world_size} ranks)")
 
+    # this self-test process is the whole program: its capturing backend needs the split sizes as SymInts
     torch._dynamo.config.capture_scalar_outputs = True
     graphs = []
 

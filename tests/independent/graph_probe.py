@@ -74,6 +74,7 @@ def _probe_ep_rank(rank: int, world_size: int, port: int, outfile: str) -> None:
     import ep_style_moe as ep
 
     ep.init_gloo(rank, world_size, port)
+    # this probe process is the whole program: its capturing backend needs the .tolist() split sizes as SymInts
     torch._dynamo.config.capture_scalar_outputs = True
     report = []
     for count_exchange in ("c10d_inplace", "functional"):

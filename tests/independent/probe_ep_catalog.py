@@ -2,8 +2,8 @@
 
 Per block, on every rank:
   1. eager: EP output and grad of x == ep_catalog.reference (same block, all experts local);
-  2. capture: torch.compile(block, backend=<capturing>, fullgraph=True) with the flags moepass.backend
-     sets (capture_scalar_outputs, capture_dynamic_output_shape_ops); the Dynamo graph goes to
+  2. capture: torch.compile(block, backend=<capturing>, fullgraph=True) with the flags moepass
+     turns on for its own frames (capture_scalar_outputs, capture_dynamic_output_shape_ops); the Dynamo graph goes to
      /tmp/ep_catalog/<name>_rank<r>.py; a graph break is recorded (and the graphs of a non-fullgraph
      compile saved instead);
   3. deepep: torch.compile(block, backend="moepass", options={"passes": ["deepep"], "inductor": ...}):
@@ -164,8 +164,9 @@ def rank_main(rank: int, world_size: int, port: int, names: list[str], inductor:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))
-    import moepass.backend  # noqa: F401  (turns on the two capture flags below, as the moepass backend needs)
+    import moepass.backend  # noqa: F401  (the backend compared below; importing it sets no Dynamo flag)
 
+    # this probe process is the whole program: its own capturing backends need what moepass turns on for its frames
     torch._dynamo.config.capture_scalar_outputs = True
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
     group = dist.group.WORLD

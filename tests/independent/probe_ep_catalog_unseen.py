@@ -161,8 +161,9 @@ def rank_main(rank, world_size, port, name, modes, patch=None, catalog_name="ep_
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    import moepass.backend  # noqa: F401  (turns on the capture flags moepass needs)
+    import moepass.backend  # noqa: F401  (the backend compared below; importing it sets no Dynamo flag)
 
+    # this probe process is the whole program: its own capturing backends need what moepass turns on for its frames
     torch._dynamo.config.capture_scalar_outputs = True
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
     if patch:

@@ -230,6 +230,7 @@ def allow_gloo_reduce_scatter(model: torch.nn.Module) -> None:
 
 def compile_blocks(titan: TitanEP, backend: str | Callable, options: dict | None = None) -> None:
     """torchtitan's apply_compile, with `options` forwarded (apply_compile takes a backend name only)."""
+    # process-wide, as torchtitan's own apply_compile sets them (torchtitan/distributed/compile.py)
     torch._dynamo.config.capture_scalar_outputs = True
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     kwargs = {"options": options} if options is not None else {}
