@@ -310,10 +310,12 @@ def _unpermutes(gm, region: EPRegion, y: fx.Node, leaves: dict, perm: torch.Tens
     return tuple(sent_back.shape) == (len(perm), width) and torch.equal(sent_back[perm], _host(y_value))
 
 
-def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node:
+def _pick_expert_counts(gm, region: EPRegion, samples) -> fx.Node | None:
     """The one node through which the received counts reach the experts: rows per local expert."""
     tok, counts = region.token_a2a, region.counts_a2a
     candidates, group_inputs = expert_counts_candidates(region)
+    if not candidates and not group_inputs:
+        return None  # one local expert reading no group sizes: all its rows are one group
     split_nodes = {n for n in tok.output_splits if isinstance(n, fx.Node)}
     received = {counts.result, tok.result, *split_nodes}
     for c in candidates:

@@ -61,7 +61,8 @@ class EPRegion:
     group_size: int
     group_name: str
     expert_input: fx.Node  # received rows in expert-major order, as the experts read them
-    expert_counts: fx.Node | None  # rows per local expert fed to the experts (set by ep_checks)
+    expert_counts: fx.Node | None  # rows per local expert fed to the experts (set by ep_checks; None: one local
+    # expert that reads no group sizes)
     expert_output: fx.Node | None  # the experts' output rows, in expert_input's order (set by ep_checks)
     tokens_out: fx.Node | None  # sum over each token's K expert rows (weighted or not), T rows of D
     weights_applied: str = ""  # "before_experts" or "after_experts"
@@ -468,7 +469,8 @@ def expert_output_candidates(region: EPRegion) -> list[fx.Node]:
 
 def expert_counts_candidates(region: EPRegion) -> tuple[list[fx.Node], list[fx.Node]]:
     """([E_local] integer nodes through which the received counts reach the experts, latest first;
-    the experts' inputs computed from them). ep_checks picks the one holding the rows per local expert."""
+    the experts' inputs computed from them). ep_checks picks the one holding the rows per local expert.
+    ([], []) for one local expert that reads no group sizes (EP over as many ranks as experts)."""
     tok, counts, expert_input = region.token_a2a, region.counts_a2a, region.expert_input
     received = {tok.result, counts.result}
     expert_nodes = between({expert_input}, region.expert_output, stop=received)
@@ -478,6 +480,8 @@ def expert_counts_candidates(region: EPRegion) -> tuple[list[fx.Node], list[fx.N
         raise Mismatch(tok.node, SkipCode.READS_RECEIVED_ROWS,
                        "the experts read the received rows other than through the expert-major rows")
     from_counts = [s for s in side if counts.result in upstream[s]]
+    if not from_counts and region.num_local_experts == 1:
+        return [], []  # one local expert takes every received row as one group: there are no group sizes to supply
     if not from_counts:
         raise Mismatch(tok.node, SkipCode.GROUP_SIZES,
                        "the experts are given no group sizes derived from the received counts")
