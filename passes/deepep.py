@@ -60,7 +60,8 @@ def _run_scope(gm: fx.GraphModule, config, record) -> None:
         if shape_env is not None and not shape_env.allow_dynamic_output_shape_ops:
             record.skip(region.token_a2a.node, region.module, Reason(
                 SkipCode.NO_DYNAMIC_SHAPES, "torch._dynamo.config.capture_dynamic_output_shape_ops is off "
-                "(moepass.backend turns it on at import; was it reset?): the received row count could not be traced"))
+                "in this frame's trace (moepass.dynamo_flags traced it again without it): the received row count could "
+                "not be traced"))
             continue
         backend, why = choose_ep_backend(region.group_name, tensor_meta(region.x).device, region.num_experts,
                                          config["deepep.backend"])
@@ -184,10 +185,11 @@ def _rewrite_region(gm: fx.GraphModule, region: EPRegion, backend: str) -> None:
             pair_in = emit("to", emit(operator.mul, emit("float", pair_in, method=True), pair_w), sent_meta.dtype,
                            method=True)
         counts = recv_counts
-        if tensor_meta(region.expert_counts).dtype != torch.int64:
+        if region.expert_counts is not None and tensor_meta(region.expert_counts).dtype != torch.int64:
             counts = emit("to", counts, tensor_meta(region.expert_counts).dtype, method=True)
     region.expert_input.replace_all_uses_with(pair_in)
-    region.expert_counts.replace_all_uses_with(counts)
+    if region.expert_counts is not None:  # None: one local expert reading no group sizes
+        region.expert_counts.replace_all_uses_with(counts)
     # the experts now see P pair rows instead of the R received rows: their fake values follow
     experts = between({pair_in, counts}, region.expert_output)
     for n in sorted(experts, key=graph_order(graph).__getitem__):

@@ -14,7 +14,9 @@ Under expert parallelism the source is the rows moepass::ep_dispatch received (t
 such GEMMs reads those rows (through gathers) and they keep FP8 rows for the backward, the quantization moves before
 the dispatch: moepass::ep_dispatch_quantized sends the FP8 rows and their scales instead of BF16 rows (half the
 bytes), the experts read what arrives, and no quantization runs on the received rows (whose count, known only at run
-time, keeps Inductor from fusing it). The combine and every gradient stay BF16, as in DeepSeek-V3.
+time, keeps Inductor from fusing it). The combine and every gradient stay BF16, as in DeepSeek-V3. On DeepEP the rows
+go as DeepEP's FP8 tokens, (e4m3 [T, H], fp32 [T, H/128]): blockwise's 1x128 tiles are that layout, fp8_rowwise's one
+scale a row is that layout with the scale repeated (exact); other scales stay BF16 with the reason.
 
 Runs after grouped_mm, on its ops; a GEMM it cannot serve stays as grouped_mm left it, with the reason.
 """
@@ -34,6 +36,7 @@ from moepass.analysis.scopes import graph_scopes
 from moepass.emit import Emitter
 from moepass.graph import example_value, module_path, replace_node, tensor_meta
 from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
+from moepass.ops.ep import deepep
 from moepass.skips import Reason, SkipCode
 
 NAME = "quantize_once"
@@ -169,9 +172,7 @@ def _move_before_dispatch(graph: fx.Graph, quant: fx.Node, record) -> None:
     if not isinstance(dispatch, fx.Node) or dispatch.target is not torch.ops.moepass.ep_dispatch.default:
         return
     module = module_path(dispatch) or module_path(quant)
-    problem = _bf16_readers(recv_x, detach) or (
-        f"backend {dispatch.args[-1]!r}: FP8 rows go through the reference backend only"
-        if dispatch.args[-1] != "reference" else None)
+    problem = _bf16_readers(recv_x, detach) or _backend_problem(dispatch.args[-1], quant)
     if problem:
         record.skip(dispatch, module, Reason(SkipCode.DISPATCH_STAYS_BF16, f"dispatch sends BF16: {problem}"))
         return
@@ -195,9 +196,25 @@ def _move_before_dispatch(graph: fx.Graph, quant: fx.Node, record) -> None:
         graph.erase_node(detach)
     graph.erase_node(dispatch)
     h, s = tensor_meta(x_q).shape[1], tensor_meta(x_scale).shape[1]
+    backend = dispatch.args[-1]
+    if backend == "deepep":  # DeepEP carries one scale per 128 columns (a row's one scale repeated)
+        s = h // deepep.FP8_SCALE_BLOCK
     record.replace(sent, module, "moepass.ep_dispatch_quantized",
-                   f"FP8 rows and their scales sent ({h + 4 * s} bytes a row instead of {2 * h}); the experts read "
-                   "them as received")
+                   f"FP8 rows and their scales sent through {backend} ({h + 4 * s} bytes a row instead of {2 * h}); "
+                   "the experts read them as received")
+
+
+def _backend_problem(backend: str, quant: fx.Node) -> str | None:
+    """Why the dispatch's backend cannot send the rows as `quant` quantizes them, or None: DeepEP takes FP8 rows with
+    one fp32 scale per 128 columns (blockwise's tiles; fp8_rowwise's row scale, repeated), the reference any."""
+    if backend != "deepep":
+        return None
+    value = example_value(quant)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return "backend 'deepep': the quantized rows have no recorded metadata"
+    q, scale = value
+    reason = deepep.fp8_scales_unsupported_reason(q.shape[1], scale.shape[1], scale.dtype)
+    return f"backend 'deepep': {reason}" if reason else None
 
 
 def _bf16_readers(rows: fx.Node, detach: fx.Node) -> str | None:

@@ -1,7 +1,7 @@
 """moepass::ep_dispatch / ep_combine on gloo, 2 and 4 CPU ranks in spawned processes.
 
-The reference backend is checked against expectations built by hand; the DeepEP glue is checked the same
-way against a CPU stand-in of ``deep_ep.Buffer`` (its V1 intranode contract), since DeepEP needs GPUs.
+The reference backend is checked against expectations built by hand; moepass's DeepEP code is checked the same
+way on the deep_ep double (tests/doubles/deep_ep: DeepEP V1's Buffer over gloo), since DeepEP needs GPUs.
 
 Every rank builds every rank's inputs from one seed, so it can construct its expected receive rows
 by plain Python loops, with no communication. The rank checks (in helpers.py) take (backend, device) so
@@ -10,14 +10,13 @@ that tests/test_ep_ops_gpu.py runs the same checks on NCCL and DeepEP.
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
-import types
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from doubles import with_deep_ep_double
 from helpers import (  # noqa: F401  (rank_pool: a fixture)
     EpProblem,
     check_autograd,
@@ -27,6 +26,7 @@ from helpers import (  # noqa: F401  (rank_pool: a fixture)
     check_dispatch_semantics,
     combine,
     dispatch,
+    expected_dispatch,
     make_rank_inputs,
     rank_pool,
 )
@@ -47,150 +47,77 @@ def check_choose_ep_backend(rank, world_size, *_):
         choose_ep_backend(None, "cpu", 8, requested="fast")
 
 
-# ---------------------------------------------------------------- a stand-in deep_ep, to run the DeepEP glue on CPU
-
-
-class StandInConfig:
-    def __init__(self, num_sms: int):
-        self.num_sms = num_sms
-
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return (self.num_sms // 2) * num_ranks * 256 * hidden_bytes
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0
-
-
-class StandInBuffer:
-    """deep_ep.Buffer's V1 intranode contract (handle tuple, cached dispatch, combine with weights) over gloo."""
-
-    num_sms = 20
-    created: list["StandInBuffer"] = []
-
-    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, *, explicitly_destroy=False):
-        assert explicitly_destroy, "moepass must destroy buffers explicitly"
-        self.group, self.num_nvl_bytes, self.num_rdma_bytes = group, num_nvl_bytes, num_rdma_bytes
-        self.destroyed = False
-        StandInBuffer.created.append(self)
-
-    def destroy(self):
-        assert not self.destroyed
-        dist.barrier(self.group)  # the real destroy() is a barrier too
-        self.destroyed = True
-
-    @staticmethod
-    def get_dispatch_config(num_ranks):
-        return StandInConfig(StandInBuffer.num_sms)
-
-    get_combine_config = get_dispatch_config
-
-    def _check_room(self, x):
-        assert not self.destroyed
-        need = self.get_dispatch_config(0).get_nvl_buffer_size_hint(x.shape[1] * 2, self.group.size())
-        assert self.num_nvl_bytes >= need, "buffer too small for these tokens"
-
-    def get_dispatch_layout(self, topk_idx, num_experts):
-        assert topk_idx.dtype == torch.int64 and topk_idx.is_contiguous()
-        world = self.group.size()
-        owner = torch.where(topk_idx >= 0, topk_idx // (num_experts // world), -1)
-        is_token_in_rank = (owner.unsqueeze(-1) == torch.arange(world)).any(dim=1)
-        per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).to(torch.int32)
-        return is_token_in_rank.sum(0).to(torch.int32), None, per_expert, is_token_in_rank, None
-
-    def _exchange(self, rows, is_token_in_rank):
-        send_token = is_token_in_rank.t().nonzero()[:, 1]
-        send = is_token_in_rank.sum(0)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        out = rows.new_empty((int(recv.sum()), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows[send_token].contiguous(), recv.tolist(), send.tolist(), group=self.group)
-        return out, send, recv
-
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
-                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, **_):
-        self._check_room(x)
-        assert x.dtype == torch.bfloat16 and x.is_contiguous()
-        if handle is not None:
-            assert topk_idx is None and topk_weights is None
-            recv_x, _, recv = self._exchange(x, handle[4])
-            assert recv_x.shape[0] == handle[3].shape[0]
-            return recv_x, None, None, None, None, None
-        world, rank = self.group.size(), self.group.rank()
-        e_local = num_tokens_per_expert.shape[0] // world
-        meta = torch.cat([topk_idx, torch.arange(x.shape[0]).unsqueeze(-1)], dim=1)
-        recv_x, send, recv = self._exchange(x, is_token_in_rank)
-        recv_meta, _, _ = self._exchange(meta, is_token_in_rank)
-        recv_weights_raw, _, _ = self._exchange(topk_weights, is_token_in_rank)
-        recv_topk_idx = torch.where(
-            (recv_meta[:, :-1] >= 0) & (recv_meta[:, :-1] // e_local == rank), recv_meta[:, :-1] - rank * e_local, -1
-        )
-        recv_topk_weights = torch.where(recv_topk_idx >= 0, recv_weights_raw, 0.0)
-        counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=e_local).tolist()
-        sent_by_rank = [torch.empty_like(send) for _ in range(world)]
-        dist.all_gather(sent_by_rank, send, group=self.group)
-        matrix = torch.stack(sent_by_rank)  # [i][j]: rows rank i sends to rank j
-        channels = torch.zeros(world, self.num_sms // 2, dtype=torch.int32)
-        send_head = torch.where(is_token_in_rank, 0, -1).to(torch.int32)
-        handle = (matrix.cumsum(0).to(torch.int32), channels, channels.clone(), recv_meta[:, -1].to(torch.int32),
-                  is_token_in_rank, send_head)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, None
-
-    def combine(self, x, handle, topk_weights=None, **_):
-        self._check_room(x)
-        assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] == handle[3].shape[0]
-        is_token_in_rank = handle[4]
-        outs = []
-        for rows in (x, topk_weights):
-            if rows is None:
-                outs.append(None)
-                continue
-            send = is_token_in_rank.sum(0)
-            recv = torch.diff(handle[0][:, self.group.rank()], prepend=torch.zeros(1, dtype=torch.int32))
-            back = rows.new_empty((int(send.sum()), *rows.shape[1:]))
-            dist.all_to_all_single(back, rows.contiguous(), send.tolist(), recv.tolist(), group=self.group)
-            total = torch.zeros((is_token_in_rank.shape[0], *rows.shape[1:]))
-            send_token = is_token_in_rank.t().nonzero()[:, 1]
-            start = 0
-            for count in send.tolist():
-                total[send_token[start:start + count]] += back[start:start + count].float()
-                start += count
-            outs.append(total.to(rows.dtype))
-        return outs[0], outs[1], None
-
-
-def stand_in_deep_ep():
-    module = types.ModuleType("deep_ep")
-    module.__spec__ = importlib.machinery.ModuleSpec("deep_ep", None)
-    module.Buffer, module.topk_idx_t, module.__version__ = StandInBuffer, torch.int64, "stand-in"
-    return module
-
-
-def with_stand_in_deep_ep(rank, world_size, check, *args):
-    """Run check with `import deep_ep` giving the stand-in, then put everything back."""
-    from moepass.ops.ep import deepep as ep_deepep
-
-    sys.modules["deep_ep"] = stand_in_deep_ep()
-    ep_deepep._import_deep_ep.cache_clear()
-    try:
-        check(rank, world_size, *args)
-    finally:
-        ep_deepep.release_deepep_buffers()
-        del sys.modules["deep_ep"]
-        ep_deepep._import_deep_ep.cache_clear()
-        StandInBuffer.created.clear()
+# ---------------------------------------------------------------- moepass's DeepEP code on the deep_ep double
 
 
 def check_buffer_reused_and_grown(rank, world_size):
+    import deep_ep
+
     from moepass.ops.ep import deepep as ep_deepep
 
-    for hidden in (16, 64, 16):
-        problem = EpProblem(world_size, hidden=hidden)
-        x, topk_idx, topk_weights = make_rank_inputs(problem)[rank]
-        recv_x, *_, handle = dispatch(x, topk_idx, topk_weights, problem, "deepep")
-        combine(recv_x, handle, "deepep")
-    first, grown = StandInBuffer.created
-    assert first.destroyed and not grown.destroyed and list(ep_deepep._buffers.values()) == [grown]
-    assert grown.num_nvl_bytes == StandInConfig(StandInBuffer.num_sms).get_nvl_buffer_size_hint(64 * 2, world_size)
+    made = []
+    real_init = deep_ep.Buffer.__init__
+
+    @functools.wraps(real_init)  # keeps the signature moepass inspects (explicitly_destroy)
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    deep_ep.Buffer.__init__ = recording_init
+    try:
+        for hidden in (16, 64, 16):
+            problem = EpProblem(world_size, hidden=hidden)
+            x, topk_idx, topk_weights = make_rank_inputs(problem)[rank]
+            recv_x, *_, handle = dispatch(x, topk_idx, topk_weights, problem, "deepep")
+            combine(recv_x, handle, "deepep")
+    finally:
+        deep_ep.Buffer.__init__ = real_init
+    first, grown = made
+    assert first.runtime is None and grown.runtime is not None and list(ep_deepep._buffers.values()) == [grown]
+    configs = (deep_ep.Buffer.get_dispatch_config(world_size), deep_ep.Buffer.get_combine_config(world_size))
+    assert grown.num_nvl_bytes == max(c.get_nvl_buffer_size_hint(64 * 2, world_size) for c in configs)
+    assert grown.num_rdma_bytes == 0  # within a node DeepEP refuses an RDMA buffer (deep_ep.cpp L160-161)
+
+
+def check_fp8_dispatch_deepep_bit_equal_to_reference(rank, world_size):
+    """ep_dispatch_quantized through DeepEP's FP8 tuple (e4m3 rows, fp32 [T, H/128] scales) against the reference
+    backend's FP8 dispatch: the same bits for rows, scales, ids, weights and counts, and the same BF16 gradients."""
+    from moepass.ops.ep.dispatch_combine import group_args
+
+    problem = EpProblem(world_size, hidden=256)
+    inputs = make_rank_inputs(problem)
+    x, topk_idx, topk_weights = inputs[rank]
+    for recipe, scale_columns in (("fp8_rowwise", 1), ("blockwise", 2)):
+        quantize = getattr(torch.ops.moepass, f"{recipe}_quantize_rows")
+        every_rank = [quantize(inp[0], "emulated") for inp in inputs]
+        rows = expected_dispatch(problem, inputs, rank).rows
+        results = {}
+        for backend in ("reference", "deepep"):
+            x_leaf, w_leaf = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+            q, scale = every_rank[rank]
+            recv_x, recv_q, recv_scale, recv_idx, recv_w, counts, _ = torch.ops.moepass.ep_dispatch_quantized(
+                x_leaf, q, scale, topk_idx, w_leaf, problem.num_experts, *group_args(), backend)
+            assert recv_scale.shape == (len(rows), scale_columns)
+            grad_rows = (recv_idx.float().sum(1, keepdim=True) + 3).expand(-1, problem.hidden).to(torch.bfloat16)
+            torch.autograd.backward([recv_x, recv_w], [grad_rows, recv_idx.float() * 0.5 + 1])
+            results[backend] = dict(q=recv_q.view(torch.uint8), scale=recv_scale, idx=recv_idx, w=recv_w,
+                                    counts=counts, grad_x=x_leaf.grad, grad_w=w_leaf.grad)
+        got, want = results["deepep"], results["reference"]
+        for name in want:
+            assert torch.equal(got[name], want[name]), (recipe, name)
+        assert torch.equal(got["q"], torch.stack([every_rank[s][0][t] for s, t in rows]).view(torch.uint8)), recipe
+        assert torch.equal(got["scale"], torch.stack([every_rank[s][1][t] for s, t in rows])), recipe
+
+
+def check_intranode_without_nvshmem(rank, world_size):
+    """A DeepEP built without NVSHMEM serves groups within a node: moepass asks it for no RDMA buffer."""
+    from doubles import deep_ep_double
+    from moepass.ops.ep import deepep as ep_deepep
+
+    with deep_ep_double(nvshmem=False):
+        check_dispatch_semantics(rank, world_size, "deepep", "cpu")
+        (buffer,) = ep_deepep._buffers.values()
+        assert buffer.num_rdma_bytes == 0
 
 
 # ---------------------------------------------------------------- tests
@@ -292,10 +219,199 @@ DEEPEP_GLUE_CHECKS = [
 
 
 @pytest.mark.parametrize("check", DEEPEP_GLUE_CHECKS, ids=lambda c: c.__name__)
-def test_deepep_glue_against_stand_in_buffer(check, rank_pool):
-    """moepass's DeepEP path (handle passing, cached dispatch, fakes) on a CPU stand-in of deep_ep.Buffer."""
-    rank_pool(4 if check is check_combine_sums_in_rank_order else 2).run(with_stand_in_deep_ep, check, "deepep", "cpu")
+def test_deepep_backend_on_the_deep_ep_double(check, rank_pool):
+    """moepass's DeepEP path (deepep.py: buffer, layout, handle, cached dispatch, combine with weights, fakes) on the
+    deep_ep double (tests/doubles/deep_ep), against the same hand-built expectations as the reference backend."""
+    rank_pool(4 if check is check_combine_sums_in_rank_order else 2).run(with_deep_ep_double, check, "deepep", "cpu")
 
 
 def test_deepep_buffer_is_reused_and_grown_for_wider_tokens(rank_pool):
-    rank_pool(2).run(with_stand_in_deep_ep, check_buffer_reused_and_grown)
+    rank_pool(2).run(with_deep_ep_double, check_buffer_reused_and_grown)
+
+
+def test_fp8_dispatch_through_deepep_is_bit_equal_to_the_reference_backends(rank_pool):
+    rank_pool(2).run(with_deep_ep_double, check_fp8_dispatch_deepep_bit_equal_to_reference)
+
+
+def test_deepep_without_nvshmem_serves_a_group_within_a_node(rank_pool):
+    rank_pool(2).run(check_intranode_without_nvshmem)
+
+
+@pytest.mark.parametrize(
+    "group_size, local_world_size, ranks, nvshmem, reason",
+    [
+        (2, 8, None, True, None),
+        (8, 8, range(8), False, None),  # within a node NVSHMEM is not needed
+        (16, 8, range(16), True, None),
+        (32, 8, range(16, 48), True, None),
+        (16, 8, range(16), False, "spans 2 nodes, which takes DeepEP's internode kernels, and deep_ep was built "
+                                  "without NVSHMEM"),
+        (16, 4, range(16), True, "needs 8 ranks of it on each node; this job has 4 ranks per node"),
+        (16, 8, range(0, 32, 2), True, "not 8 consecutive ranks per node"),
+        (8, 4, range(8), True, "spans more than one node (4 ranks per node)"),
+        (12, 8, range(12), True, "DeepEP across nodes supports 16, 24, 32"),
+        (6, 8, range(6), True, "DeepEP within a node supports 2, 4 or 8"),
+    ],
+)
+def test_deepep_serves_groups_within_a_node_and_across_nodes_of_8(group_size, local_world_size, ranks, nvshmem,
+                                                                   reason, monkeypatch):
+    from doubles import deep_ep_double
+    from moepass.ops.ep.deepep import deepep_choice, deepep_unsupported_reason
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+    with deep_ep_double(nvshmem=nvshmem):
+        got = deepep_unsupported_reason(group_size, torch.device("cpu"), 4 * group_size,
+                                        group_ranks=None if ranks is None else list(ranks))
+        if reason is None:
+            assert got is None
+            mode = "internode" if group_size > 8 else "intranode"
+            assert f"{group_size} ranks" in deepep_choice(group_size) and mode in deepep_choice(group_size)
+        else:
+            assert reason in got, got
+    if reason is not None and "NVSHMEM" in reason:
+        assert "rebuild DeepEP with NVSHMEM" in got  # the fix, in the report's words
+
+
+@pytest.mark.parametrize(
+    "hidden, group_size, topk, reason",
+    [(7168, 16, 8, None), (1000, 16, 8, "multiple of 16"), (7296, 16, 8, "multiple of 256"),
+     (8192, 16, 8, "internode limit of 16376")],
+)
+def test_deepep_internode_hidden_limits(hidden, group_size, topk, reason):
+    from moepass.ops.ep.deepep import hidden_unsupported_reason
+
+    got = hidden_unsupported_reason(hidden, group_size, topk)
+    assert got is None if reason is None else reason in got
+
+
+@pytest.mark.parametrize(
+    "hidden, scale_columns, dtype, reason",
+    [(256, 1, torch.float32, None), (256, 2, torch.float32, None), (256, 8, torch.float32, "1x32 blocks"),
+     (192, 1, torch.float32, "not a multiple of 128"), (256, 8, torch.float8_e8m0fnu, "float8_e8m0fnu")],
+)
+def test_deepep_fp8_scale_layouts(hidden, scale_columns, dtype, reason):
+    """DeepEP's FP8 tokens carry one fp32 scale per 128 columns: blockwise's tiles, fp8_rowwise's row scale repeated;
+    MXFP8's 1x32 power-of-two scales (e8m0) are not that layout."""
+    from moepass.ops.ep.deepep import fp8_scales_unsupported_reason
+
+    got = fp8_scales_unsupported_reason(hidden, scale_columns, dtype)
+    assert got is None if reason is None else reason in got
+
+
+def test_fakes_carry_deepeps_handles_within_a_node_and_across_nodes():
+    """Tracing needs no process group: the internode handle has 10 tensors and a second unbacked size (R_rdma);
+    combine, cached dispatch and the backward read N and R off either handle; FP8 with scales DeepEP cannot send is
+    refused at trace time, not in a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+
+    from doubles import deep_ep_double
+
+    import moepass.ops.ep.dispatch_combine  # noqa: F401
+
+    ops = torch.ops.moepass
+    with deep_ep_double(num_sms=8), FakeTensorMode(shape_env=ShapeEnv()):
+        for group_size, hidden, length in ((4, 64, 6), (16, 256, 10)):
+            x = torch.empty(6, hidden, dtype=torch.bfloat16)
+            ids, weights = torch.empty(6, 2, dtype=torch.int64), torch.empty(6, 2)
+            recv_x, _, recv_w, counts, handle = ops.ep_dispatch(x, ids, weights, 32, group_size, "g", "deepep")
+            assert len(handle) == length and counts.shape == (32 // group_size,)
+            (num_recv,) = free_unbacked_symbols(recv_x.shape[0])
+            if group_size == 16:
+                assert tuple(handle[2].shape) == (16, 4) and tuple(handle[8].shape) == (6, 2)
+                assert handle[7].dtype == torch.uint8 and tuple(handle[7].shape)[1] == 8
+                (num_rdma_recv,) = free_unbacked_symbols(handle[9].shape[0])
+                assert num_rdma_recv != num_recv and handle[9].shape[1] == 8
+            else:
+                assert tuple(handle[1].shape) == (4, 4)  # channels = num_sms / 2
+            assert tuple(ops.ep_combine(recv_x, handle, group_size, "g", "deepep").shape) == (6, hidden)
+            again = ops.ep_dispatch_cached(x, handle, group_size, "g", "deepep")
+            assert free_unbacked_symbols(again.shape[0]) == {num_recv}
+            grad_x, grad_w = ops.ep_dispatch_backward(recv_x, recv_w, handle, group_size, "g", "deepep")
+            assert tuple(grad_x.shape) == (6, hidden) and tuple(grad_w.shape) == (6, 2)
+        x = torch.empty(6, 256, dtype=torch.bfloat16)
+        q = torch.empty(6, 256, dtype=torch.float8_e4m3fn)
+        out = ops.ep_dispatch_quantized(x, q, torch.empty(6, 1), ids, weights, 32, 16, "g", "deepep")
+        assert tuple(out[2].shape)[1] == 1 and len(out[6]) == 10
+        with pytest.raises(ValueError, match="1x32 blocks"):
+            ops.ep_dispatch_quantized(x, q, torch.empty(6, 8), ids, weights, 32, 2, "g", "deepep")
+
+
+@pytest.mark.parametrize(
+    "num_experts, reason",
+    [(6, "num_experts=6 is not a multiple of the 4 EP ranks"), (4 * 1025, "exceeds DeepEP's limit of 1024")],
+)
+def test_deepep_refuses_experts_it_cannot_split(num_experts, reason):
+    from doubles import deep_ep_double
+    from moepass.ops.ep.deepep import deepep_unsupported_reason
+
+    with deep_ep_double():
+        assert reason in deepep_unsupported_reason(4, torch.device("cpu"), num_experts)
+
+
+def _without_explicitly_destroy(deep_ep):
+    deep_ep.Buffer.__init__ = lambda self, group, num_nvl_bytes=0, num_rdma_bytes=0: None
+
+
+def _without_combine(deep_ep):
+    del deep_ep.Buffer.combine
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [(None, "deep_ep is not installed"), ("import", "deep_ep is installed but fails to import (ImportError: "),
+     (_without_explicitly_destroy, "older than 1.2"), (_without_combine, "lacks the V1 normal-mode API (combine)")],
+)
+def test_why_an_installed_or_missing_deep_ep_cannot_be_used(change, reason, tmp_path, monkeypatch):
+    """Each reason the report gives instead of running DeepEP, and the RuntimeError when 'deepep' is requested."""
+    import sys
+
+    from doubles import deep_ep_double
+    from moepass.ops.ep import deepep
+
+    monkeypatch.setattr(deepep, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    if change == "import":  # a build against other CUDA/NCCL libraries
+        (tmp_path / "deep_ep").mkdir()
+        (tmp_path / "deep_ep" / "__init__.py").write_text("raise ImportError('libnvshmem_host.so.3: not found')\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+    deepep._import_deep_ep.cache_clear()
+    try:
+        if callable(change):
+            with deep_ep_double() as deep_ep:
+                change(deep_ep)
+                deepep._import_deep_ep.cache_clear()
+                got = deepep.deepep_unsupported_reason(2, torch.device("cpu"), 8)
+        else:
+            got = deepep.deepep_unsupported_reason(2, torch.device("cpu"), 8)
+            with pytest.raises(RuntimeError, match="the 'deepep' EP backend cannot run"):
+                deepep.deep_ep_module()
+        assert reason in got, got
+    finally:
+        monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+        deepep._import_deep_ep.cache_clear()
+
+
+def test_deepep_ops_refuse_tokens_deepep_cannot_move_at_trace_time():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from doubles import deep_ep_double
+
+    import moepass.ops.ep.dispatch_combine  # noqa: F401
+
+    ops = torch.ops.moepass
+    with deep_ep_double(), FakeTensorMode(shape_env=ShapeEnv()):
+        ids, weights = torch.empty(6, 2, dtype=torch.int64), torch.empty(6, 2)
+        with pytest.raises(TypeError, match="takes bfloat16 tokens, got torch.float32"):
+            ops.ep_dispatch(torch.empty(6, 64), ids, weights, 8, 2, "g", "deepep")
+        with pytest.raises(ValueError, match="hidden=1000 is not a multiple of 16"):
+            ops.ep_dispatch(torch.empty(6, 1000, dtype=torch.bfloat16), ids, weights, 8, 2, "g", "deepep")
+        x = torch.empty(6, 256, dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match="float8_e4m3fn rows, got torch.float8_e5m2"):
+            ops.ep_dispatch_quantized(x, torch.empty(6, 256, dtype=torch.float8_e5m2), torch.empty(6, 1), ids, weights,
+                                      8, 2, "g", "deepep")
+        with pytest.raises(ValueError, match="multiple of 256"):
+            ops.ep_dispatch_quantized(torch.empty(6, 384, dtype=torch.bfloat16),
+                                      torch.empty(6, 384, dtype=torch.float8_e4m3fn), torch.empty(6, 3), ids, weights,
+                                      32, 16, "g", "deepep")

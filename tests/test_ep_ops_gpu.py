@@ -117,3 +117,22 @@ def check_choose_ep_backend_picks_deepep(rank, world_size):
 @needs_deep_ep
 def test_choose_ep_backend_picks_deepep_on_nvlink_pair(nccl_ranks):
     nccl_ranks(2).run(check_choose_ep_backend_picks_deepep)
+
+
+def check_real_deepep_equals_the_double(rank, world_size):
+    """examples/compare_deepep_double.py on NCCL: the installed deep_ep.Buffer and the CPU double CI runs on, output
+    for output (rows, order, ids, counts, every handle tensor, combine sums, the FP8 tuple)."""
+    from helpers import load_example
+
+    import torch.distributed as dist
+
+    compare = load_example("compare_deepep_double")
+    real, double = compare.load_implementation("deep_ep"), compare.load_implementation("double")
+    rows = compare.compare(real, double, dist.group.WORLD, torch.device("cuda", rank), hidden=7168, num_tokens=512,
+                           num_experts=64, num_topk=8, seed=0)
+    assert all(row["agree"] for row in rows), [row for row in rows if not row["agree"]]
+
+
+@needs_deep_ep
+def test_real_deepep_equals_the_double(nccl_ranks):
+    nccl_ranks(2).run(check_real_deepep_equals_the_double, timeout_s=300)

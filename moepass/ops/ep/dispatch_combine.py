@@ -1,18 +1,19 @@
 """Custom ops ``moepass::ep_dispatch`` / ``moepass::ep_combine``: expert-parallel token exchange.
 
 Semantics are DeepEP V1 normal mode. Two implementations sit behind one schema and are picked by the
-``backend`` string the pass bakes into the graph: "deepep" (``deep_ep.Buffer``, CUDA, NVLink) or
-"reference" (torch.distributed all_to_all_single; gloo or NCCL). The process group travels as its name,
+``backend`` string the pass bakes into the graph: "deepep" (``deep_ep.Buffer``, CUDA: NVLink within a node, RDMA
+across nodes) or "reference" (torch.distributed all_to_all_single; gloo or NCCL). The process group travels as its name,
 as in ``_c10d_functional``. Receive sizes are data dependent: the fake kernels return them as unbacked
 SymInts, and every later size is read off the handle's tensors, so one graph covers forward and backward.
 
     ep_dispatch(x[N,H], topk_idx[N,K] int64, topk_weights[N,K] f32, num_experts, group_size, group_name, backend)
         -> recv_x[R,H], recv_topk_idx[R,K] int64 (local id or -1), recv_topk_weights[R,K] f32 (0 where -1),
            num_recv_tokens_per_expert[E/W] int64, handle: Tensor[]
-    ep_combine(y[R,H], handle, group_size, group_name, backend) -> [N,H]   (fp32 sum in rank order, no weights)
+    ep_combine(y[R,H], handle, group_size, group_name, backend) -> [N,H]   (fp32 sum in rank order, no weights;
+        DeepEP across nodes rounds each node's partial sum to bf16 first)
     ep_dispatch_cached(x[N,H], handle, ...) -> [R,H]                     (combine's backward; reuses the layout)
     ep_dispatch_quantized(x, x_q[N,H] fp8, x_scale[N,S] f32, topk_idx, ...) -> recv_x (a gradient carrier, no data),
-        recv_x_q[R,H], recv_x_scale[R,S], and the rest as ep_dispatch  (FP8 rows sent; reference backend only)
+        recv_x_q[R,H], recv_x_scale[R,S], and the rest as ep_dispatch  (FP8 rows sent; on DeepEP S is 1 or H/128)
     ep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, ...) -> (grad_x, grad_topk_weights)
 """
 
@@ -29,12 +30,13 @@ from . import deepep, reference
 
 EP_BACKENDS = ("reference", "deepep")
 
-# Where each backend's handle keeps is_token_in_rank [N, W] and recv_src_idx [R]: the fakes read N and R there.
-_HANDLE_IS_TOKEN_IN_RANK = {
-    "reference": reference.HANDLE_IS_TOKEN_IN_RANK,
-    "deepep": deepep.HANDLE_IS_TOKEN_IN_RANK,
-}
-_HANDLE_RECV_SRC_IDX = {"reference": reference.HANDLE_RECV_SRC_IDX, "deepep": deepep.HANDLE_RECV_SRC_IDX}
+
+def _size_carriers(backend: str, group_size: int) -> tuple[int, int]:
+    """Where a handle keeps a tensor of N rows (tokens sent) and one of R rows (rows received): the fakes read N and
+    R there. DeepEP's handle differs within a node and across nodes."""
+    if backend == "deepep":
+        return deepep.handle_size_carriers(group_size)
+    return reference.HANDLE_IS_TOKEN_IN_RANK, reference.HANDLE_RECV_SRC_IDX
 
 
 def choose_ep_backend(
@@ -52,9 +54,10 @@ def choose_ep_backend(
         return "reference", "the reference backend was requested"
     group = _resolve_process_group(group) if isinstance(group, str) else group
     group_size = dist.get_world_size(group)
-    reason = deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts, hidden)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    reason = deepep.deepep_unsupported_reason(group_size, torch.device(device), num_experts, hidden, ranks)
     if reason is None:
-        return "deepep", f"deep_ep {deepep.deep_ep_version()} importable, {group_size} ranks on NVLink (intranode)"
+        return "deepep", deepep.deepep_choice(group_size)
     if requested == "deepep":
         raise RuntimeError(f"EP backend 'deepep' was requested but {reason}; or request the 'reference' backend")
     return "reference", reason
@@ -107,7 +110,7 @@ def ep_dispatch(
 def _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size, group_name, backend):
     _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
     if backend == "deepep":
-        deepep.check_tokens(x, "dispatch")  # fail at compile time, not in a kernel
+        deepep.check_tokens(x, "dispatch", group_size, topk_idx.shape[1])  # fail at compile time, not in a kernel
     num_recv = torch.library.get_ctx().new_dynamic_size()
     num_topk = topk_idx.shape[1]
     fake_handle = deepep.deepep_fake_handle if backend == "deepep" else reference.reference_fake_handle
@@ -133,6 +136,10 @@ def ep_dispatch_quantized(
     _check_quantized_payload(x, x_q, x_scale, backend)
     _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
     group = _group(group_name, group_size)
+    if backend == "deepep":
+        recv_q, recv_scale, recv_idx, recv_w, counts, handle = deepep.deepep_dispatch_fp8(
+            x_q, x_scale, topk_idx, topk_weights, num_experts, group_name, group)
+        return x.new_empty((recv_q.shape[0], x.shape[1])), recv_q, recv_scale, recv_idx, recv_w, counts, handle
     # gloo and NCCL move float8 as bytes
     recv_q, recv_idx, recv_w, counts, handle = reference.reference_dispatch(
         x_q.view(torch.uint8), topk_idx, topk_weights, num_experts, group)
@@ -142,9 +149,11 @@ def ep_dispatch_quantized(
 
 
 def _check_quantized_payload(x, x_q, x_scale, backend) -> None:
-    if backend != "reference":
-        raise ValueError(f"ep_dispatch_quantized: backend {backend!r} does not send FP8 rows yet (the reference "
-                         "backend does); use moepass::ep_dispatch")
+    _check_backend(backend)
+    if backend == "deepep":
+        reason = deepep.fp8_scales_unsupported_reason(x_q.shape[1], x_scale.shape[1], x_scale.dtype)
+        if reason is not None:
+            raise ValueError(f"ep_dispatch_quantized on DeepEP: {reason}; use moepass::ep_dispatch")
     if tuple(x_q.shape) != tuple(x.shape) or x_q.element_size() != 1:
         raise ValueError(f"ep_dispatch_quantized: x_q must be 1-byte rows shaped like x {tuple(x.shape)}; got "
                          f"{x_q.dtype} {tuple(x_q.shape)}")
@@ -157,6 +166,8 @@ def _check_quantized_payload(x, x_q, x_scale, backend) -> None:
 def _ep_dispatch_quantized_fake(x, x_q, x_scale, topk_idx, topk_weights, num_experts, group_size, group_name,
                                 backend):
     _check_quantized_payload(x, x_q, x_scale, backend)
+    if backend == "deepep":
+        deepep.check_fp8_tokens(x_q, x_scale, group_size, topk_idx.shape[1])  # fail at compile time, not in a kernel
     recv_x, recv_idx, recv_w, counts, handle = _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size,
                                                                  group_name, backend)
     num_recv = recv_x.shape[0]
@@ -176,7 +187,7 @@ def ep_combine(y: Tensor, handle: list[Tensor], group_size: int, group_name: str
 @ep_combine.register_fake
 def _ep_combine_fake(y, handle, group_size, group_name, backend):
     _check_backend(backend)
-    num_tokens = handle[_HANDLE_IS_TOKEN_IN_RANK[backend]].shape[0]
+    num_tokens = handle[_size_carriers(backend, group_size)[0]].shape[0]
     return y.new_empty((num_tokens, y.shape[1]))
 
 
@@ -192,7 +203,7 @@ def ep_dispatch_cached(x: Tensor, handle: list[Tensor], group_size: int, group_n
 @ep_dispatch_cached.register_fake
 def _ep_dispatch_cached_fake(x, handle, group_size, group_name, backend):
     _check_backend(backend)
-    num_recv = handle[_HANDLE_RECV_SRC_IDX[backend]].shape[0]
+    num_recv = handle[_size_carriers(backend, group_size)[1]].shape[0]
     return x.new_empty((num_recv, x.shape[1]))
 
 
@@ -216,7 +227,7 @@ def ep_dispatch_backward(
 @ep_dispatch_backward.register_fake
 def _ep_dispatch_backward_fake(grad_recv_x, grad_recv_topk_weights, handle, group_size, group_name, backend):
     _check_backend(backend)
-    num_tokens = handle[_HANDLE_IS_TOKEN_IN_RANK[backend]].shape[0]
+    num_tokens = handle[_size_carriers(backend, group_size)[0]].shape[0]
     return (
         grad_recv_x.new_empty((num_tokens, grad_recv_x.shape[1])),
         grad_recv_topk_weights.new_empty((num_tokens, grad_recv_topk_weights.shape[1])),
