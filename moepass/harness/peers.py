@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..device_arch import probe
+from ..torchao_import import torchao_import
 
 # torchtitan's deepseek_v3 float8 config: filter_fqns=["lm_head", "router.gate"]; this model calls its head "output"
 KEEP_BF16 = ("lm_head", "output", "router.gate")
@@ -38,7 +39,8 @@ def peer_problem(name: str, device: torch.device) -> str | None:
     if gpu.capability < PEERS[name]:
         return f"{name} needs {need} or newer; {gpu}"
     try:
-        import torchao  # noqa: F401
+        with torchao_import():
+            import torchao  # noqa: F401
     except ImportError:
         return f"{name} needs torchao (pip install torchao==0.18.0)"
     return None
@@ -58,13 +60,15 @@ def _converts_linear(module: nn.Module, fqn: str) -> bool:
 
 def convert_to_peer(name: str, model: nn.Module) -> dict:
     """Convert `model` in place to peer recipe `name`; returns what was converted (for the bench JSON)."""
-    from torchao.quantization.quant_api import quantize_
+    with torchao_import():
+        from torchao.quantization.quant_api import quantize_
 
     linears = [fqn for fqn, m in model.named_modules() if _converts_linear(m, fqn)]
     experts = [fqn for fqn, m in model.named_modules() if _is_expert_module(m, fqn)]
     if name == "torchao_fp8":
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        with torchao_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
                                    module_filter_fn=_converts_linear)
@@ -72,8 +76,9 @@ def convert_to_peer(name: str, model: nn.Module) -> dict:
         for fqn in experts:
             _pad_token_groups(model.get_submodule(fqn), 16)
     elif name == "torchao_mxfp8":
-        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+        with torchao_import():
+            from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+            from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
         for fqn in linears:  # torchtitan's MXFP8LinearConverter builds MXFP8Linear (an nn.Linear) in their place
             linear = model.get_submodule(fqn)
@@ -98,7 +103,8 @@ def _pad_token_groups(experts: nn.Module, multiple: int) -> None:
     inner = experts.forward
 
     def forward(x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        from torchao.prototype.moe_training.ep.permute import permute_and_pad
+        with torchao_import():
+            from torchao.prototype.moe_training.ep.permute import permute_and_pad
 
         shape, padded, indices, padded_counts, _ = permute_and_pad(
             x, tokens_per_expert, 1, tokens_per_expert.shape[0], multiple)
@@ -112,8 +118,9 @@ def _pad_token_groups(experts: nn.Module, multiple: int) -> None:
 
 def _mxfp8_linear_defaults() -> tuple:
     """MXFP8Linear's constructor defaults: AUTO kernels, RCEIL scales, MXFP8 weight gradient."""
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    with torchao_import():
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     return KernelPreference.AUTO, ScaleCalculationMode.RCEIL, False
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moepass.recipes.mxfp8 import MXFP8
+from moepass.torchao_import import torchao_import
 
 from .formats import E4M3, MX_BLOCK
 from .grouped_mm import define_grouped_mm_ops
@@ -30,8 +31,9 @@ from .op_recipe import RecipeGemms
 
 def _to_mx_along_rows(t: Tensor, scale_rounding: str, kernel: str):
     """MXTensor with 1x32 blocks along the last dim (torchao MXTensor.to_mx, Triton cast on sm100)."""
-    from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice
-    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    with torchao_import():
+        from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
     return MXTensor.to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding), kernel_preference(kernel),
                           mxfp8_dim0_cast_kernel_choice=MXFP8Dim0CastKernelChoice.TRITON)
@@ -39,8 +41,9 @@ def _to_mx_along_rows(t: Tensor, scale_rounding: str, kernel: str):
 
 def _to_mx_along_cols(t: Tensor, scale_rounding: str, kernel: str):
     """MXTensor of t.T with 32x1 blocks down the columns of t (torchao's dim1 cast; CUDA kernel on sm100)."""
-    from torchao.prototype.mx_formats.config import MXFP8Dim1CastKernelChoice
-    from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
+    with torchao_import():
+        from torchao.prototype.mx_formats.config import MXFP8Dim1CastKernelChoice
+        from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
 
     return _to_mxfp8_dim1_kernel_wrapper(t.contiguous(), MX_BLOCK, E4M3, t.dtype, kernel_preference(kernel),
                                          MXFP8Dim1CastKernelChoice.CUDA, scale_mode(scale_rounding))
@@ -50,7 +53,8 @@ def dequantized_rows(t: Tensor, scale_rounding: str) -> Tensor:
     """t [R, C] quantized to MXFP8 along C (1x32 blocks) and dequantized to t's dtype: torchao's emulated numerics
     (to_mx, then MXTensor.dequantize's e4m3 -> BF16 cast times the BF16 power-of-two scale; exact), in plain torch
     so Inductor can fuse it (mxfp8_decomp.py)."""
-    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+    with torchao_import():
+        from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
 
     scale, q = to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding))
     blocks = q.to(t.dtype).reshape(-1, MX_BLOCK) * get_fp_scale(scale).reshape(-1, 1).to(t.dtype)
@@ -107,7 +111,8 @@ def linear_wgrad(grad_out: Tensor, x: Tensor, scale_rounding: str, kernel: str) 
 
 def grouped_forward(x: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, kernel: str) -> Tensor:
     """out = x[g] @ w_t[g] per token group, both scaled along K."""
-    from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_fwd
+    with torchao_import():
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_fwd
 
     plan = plan_token_group_padding(offs, x.shape[0])
     out = _compute_fwd(pad_token_groups(x, plan), as_transposed_layout(w_t), plan.padded_offs, MX_BLOCK,
@@ -117,7 +122,8 @@ def grouped_forward(x: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, k
 
 def grouped_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, kernel: str) -> Tensor:
     """grad_x = grad_out @ w_t[g].T per group, scaled along N."""
-    from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_dgrad
+    with torchao_import():
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_dgrad
 
     plan = plan_token_group_padding(offs, grad_out.shape[0])
     grad_x = _compute_dgrad(pad_token_groups(grad_out, plan), as_transposed_layout(w_t), plan.padded_offs,
@@ -127,7 +133,8 @@ def grouped_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: s
 
 def grouped_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, scale_rounding: str, kernel: str) -> Tensor:
     """grad_w_t[g] = x[g].T @ grad_out[g], scaled along tokens."""
-    from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_wgrad
+    with torchao_import():
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_wgrad
 
     plan = plan_token_group_padding(offs, x.shape[0])
     grad_w_t = _compute_wgrad(pad_token_groups(grad_out, plan), pad_token_groups(x, plan), plan.padded_offs,

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from moepass.device_arch import probe
+from moepass.torchao_import import torchao_import
 
 KERNELS = ("emulated", "sm100")
 SCALE_ROUNDINGS = ("rceil", "floor")
@@ -23,8 +24,9 @@ def check_kernel_name(kernel: str) -> None:
 @functools.cache
 def _torchao_kernels_missing() -> str | None:
     """None when torchao's sm_100 MXFP8 kernels (CUDA, Triton, CuTeDSL) loaded, else what is missing."""
-    from torchao.prototype.moe_training.kernels.mxfp8 import quant
-    from torchao.prototype.mx_formats import kernels as mx_kernels
+    with torchao_import():
+        from torchao.prototype.moe_training.kernels.mxfp8 import quant
+        from torchao.prototype.mx_formats import kernels as mx_kernels
 
     cuda_ext = mx_kernels._mxfp8_cuda_kernels_available and quant._mxfp8_cuda_kernels_available
     missing = [name for name, ok in (
@@ -59,14 +61,16 @@ def require_kernel(kernel: str, device: torch.device) -> None:
 
 def kernel_preference(kernel: str):
     """torchao KernelPreference for a kernel name."""
-    from torchao.quantization.quantize_.common import KernelPreference
+    with torchao_import():
+        from torchao.quantization.quantize_.common import KernelPreference
 
     return KernelPreference.AUTO if kernel == "sm100" else KernelPreference.EMULATED
 
 
 def scale_mode(scale_rounding: str):
     """torchao ScaleCalculationMode for a scale_rounding name."""
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    with torchao_import():
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
     return ScaleCalculationMode(scale_rounding)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moepass.torchao_import import torchao_import
+
 from ..formats import BLOCKWISE_TILE as TILE
 from ..formats import E4M3
 from ..mxfp8_token_groups import TokenGroupPadding, pad_token_groups, plan_token_group_padding, unpad_token_groups
@@ -21,9 +23,10 @@ BF16 = torch.bfloat16
 
 
 def _torchao():
-    from torchao.prototype.blockwise_fp8_training import kernels
-    from torchao.prototype.moe_training.blockwise_fp8 import grouped_mm_backend
-    from torchao.quantization.quantize_.common import KernelPreference
+    with torchao_import():
+        from torchao.prototype.blockwise_fp8_training import kernels
+        from torchao.prototype.moe_training.blockwise_fp8 import grouped_mm_backend
+        from torchao.quantization.quantize_.common import KernelPreference
 
     return kernels, grouped_mm_backend, KernelPreference
 

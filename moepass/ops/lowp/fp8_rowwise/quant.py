@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moepass.torchao_import import torchao_import
+
 from ..formats import E4M3, E4M3_MAX
 
 AMAX_EPS = 1e-12  # torchao's floor on amax: an all-zero row gets a finite scale (and zero data)
@@ -39,7 +41,8 @@ def dequantize(q: Tensor, scale: Tensor) -> Tensor:
 
 
 def _torchao_kernels():
-    from torchao.prototype.moe_training import kernels
+    with torchao_import():
+        from torchao.prototype.moe_training import kernels
 
     return kernels
 
