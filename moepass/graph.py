@@ -2,7 +2,7 @@
 
 Passes run on the Dynamo graph (torch-level targets, FakeTensor values in
 `node.meta["example_value"]`). These helpers read that graph; they never mutate it except
-through `replace_node`, which keeps the metadata the report and later passes rely on.
+through `replace_node` and `insert_call`, which keep the metadata the report and later passes rely on.
 Data flow here includes in-place writes: `buf[i] = v` makes `buf` depend on `v`.
 """
 
@@ -29,6 +29,10 @@ _GROUPED_MM_TARGETS = {torch._grouped_mm, torch.ops.aten._grouped_mm, torch.ops.
 if hasattr(F, "grouped_mm"):  # torch >= 2.10 exposes a public alias
     _GROUPED_MM_TARGETS.add(F.grouped_mm)
 _SDPA_TARGETS = {F.scaled_dot_product_attention}
+_EINSUM_TARGETS = {torch.einsum, torch.functional.einsum, torch.ops.aten.einsum, torch.ops.aten.einsum.default}
+_ADDMM_TARGETS = {torch.addmm, torch.ops.aten.addmm, torch.ops.aten.addmm.default}
+_BATCHED_MM_TARGETS = {torch.bmm, torch.baddbmm, torch.ops.aten.bmm, torch.ops.aten.bmm.default,
+                       torch.ops.aten.baddbmm, torch.ops.aten.baddbmm.default}
 
 
 def example_value(node: fx.Node):
@@ -102,13 +106,18 @@ def normalize_module_path(raw: str) -> str:
 def module_path(node: fx.Node) -> str:
     """Module path of the innermost nn.Module that issued the node ('' at top level): its full state_dict
     path when the live module is found (inside a backend call; see moepass.module_paths), else the path
-    Dynamo recorded, relative to the compiled frame."""
+    Dynamo recorded, relative to the compiled frame. A GEMM issued at top level is named by its weight."""
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    key, (raw, _) = list(stack.items())[-1]
-    full = resolve(key)
-    return full if full is not None else normalize_module_path(raw)
+    path = ""
+    if stack:
+        key, (raw, _) = list(stack.items())[-1]
+        full = resolve(key)
+        path = full if full is not None else normalize_module_path(raw)
+    if not path and is_gemm(node):
+        from moepass.analysis.weight_parameter import module_by_weight  # (analysis imports this module)
+
+        path = module_by_weight(node)
+    return path
 
 
 def module_type(node: fx.Node) -> str:
@@ -162,13 +171,27 @@ def is_matmul(node: fx.Node) -> bool:
     return is_call(node, _MATMUL_TARGETS) or (node.op == "call_method" and node.target in ("matmul", "mm", "__matmul__"))
 
 
+def is_einsum(node: fx.Node) -> bool:
+    return is_call(node, _EINSUM_TARGETS)
+
+
+def is_addmm(node: fx.Node) -> bool:
+    return is_call(node, _ADDMM_TARGETS) or (node.op == "call_method" and node.target == "addmm")
+
+
+def is_batched_mm(node: fx.Node) -> bool:
+    """bmm / baddbmm: a product per batch entry (per expert or head)."""
+    return is_call(node, _BATCHED_MM_TARGETS) or (node.op == "call_method" and node.target in ("bmm", "baddbmm"))
+
+
 def is_grouped_mm(node: fx.Node) -> bool:
     return is_call(node, _GROUPED_MM_TARGETS)
 
 
 def is_gemm(node: fx.Node) -> bool:
     """Any node that does a matrix product (including ones moepass already rewrote)."""
-    if is_linear(node) or is_matmul(node) or is_grouped_mm(node) or is_call(node, _SDPA_TARGETS):
+    if is_linear(node) or is_matmul(node) or is_grouped_mm(node) or is_call(node, _SDPA_TARGETS) \
+            or is_einsum(node) or is_addmm(node) or is_batched_mm(node):
         return True
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
         and gemm_role(node.target) is not None
@@ -216,6 +239,16 @@ def replace_node(graph: fx.Graph, node: fx.Node, target, args: tuple, kwargs: di
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
+
+
+def insert_call(graph: fx.Graph, target, args: tuple, value, like: fx.Node) -> fx.Node:
+    """A new `target(*args)` at the graph's insertion point, holding `value` and `like`'s provenance."""
+    node = graph.call_function(target, args)
+    node.meta["example_value"] = value
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
 
 
 # ---------------------------------------------------------------- data flow with in-place writes

@@ -28,6 +28,7 @@ class ModuleIndex:
         self._modules: dict[int, nn.Module] | None = None
         self._parents: dict[int, list[tuple[nn.Module, str]]] = {}
         self._paths: dict[int, str | None] = {}
+        self._holders: dict[int, list[tuple[nn.Module, str]]] | None = None  # id(parameter) -> (module, name)
 
     def _scan(self) -> None:
         # type(), not isinstance: a dead weakref proxy among the objects raises on __class__
@@ -81,6 +82,31 @@ class ModuleIndex:
                 break
             module_id = id(owners[0][0])
         return found
+
+    def holders(self, param) -> list[tuple[nn.Module, str]]:
+        """The live modules holding `param` and its name in each (two for a weight tied to an embedding)."""
+        if self._modules is None:
+            self._scan()
+        if self._holders is None:
+            self._holders = {}
+            for module in self._modules.values():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        self._holders.setdefault(id(p), []).append((module, name))
+        return self._holders.get(id(param), [])
+
+    def module_path(self, module: nn.Module) -> str | None:
+        return self.path(str(id(module)))
+
+    def top(self, module: nn.Module) -> nn.Module:
+        """The top of the model that holds `module` (its first parent's, where it has two)."""
+        found = self.lineage(str(id(module)))
+        return found[-1] if found else module
+
+
+def current() -> ModuleIndex:
+    """The index of the running backend call, or a fresh one (a finder called outside a compile, as tests do)."""
+    return _current.get() or ModuleIndex()
 
 
 @contextlib.contextmanager

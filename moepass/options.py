@@ -170,6 +170,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=(True, False), aliases=("mxfp8.keep_router_bf16",)),
     Option("lowp.keep_output_head_bf16", True, "leave the output head (vocabulary projection) in BF16",
            choices=(True, False), aliases=("mxfp8.keep_output_head_bf16",)),
+    Option("lowp.take_over_torchao", False, "rewrite GEMMs whose weight torchao converted to a tensor subclass "
+           "(quantize_ with a MoE-training config) with moepass's recipe instead of leaving them to torchao; the "
+           "report says which torchao config it overrode. Opaque torchao calls (Float8Linear, MXFP8Linear) stay "
+           "torchao's", choices=(True, False)),
     Option("deepep.backend", "auto", "EP dispatch/combine implementation: auto picks DeepEP where it runs",
            choices=("auto", "deepep", "reference")),
 )

@@ -4,6 +4,8 @@ A `Report` collects one `GraphRecord` per graph the backend compiled, each tagge
 call it came from (torchtitan compiles every block, and the loss, in a call of its own). `to_dict()` is the
 stable schema of DESIGN.md (totals over the graphs); `index()` is one line per graph and the totals per pass;
 `save(dir)` writes both, each graph's own report and its code before and after each pass (report_files.py).
+Each graph also holds every GEMM left in it and what became of it (moepass.coverage): the coverage, per graph and
+in total, is in all of these, with identical layers folded into one line (moepass.collapse).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import dataclasses
 import os
 from collections import Counter
 
+from . import collapse, coverage
+from .coverage import GemmUse
 from .skips import Reason, SkipCode
 
 SCHEMA_VERSION = 1
@@ -90,6 +94,7 @@ class GraphRecord:
     origin: GraphOrigin = dataclasses.field(default_factory=GraphOrigin)
     compile_call: int = 0  # which of its report's torch.compile calls (numbered in the order first seen)
     weights_sharded: bool = False  # its GEMMs' weights are gathered by FSDP2 for the step (analysis.fsdp)
+    gemms: list[GemmUse] = dataclasses.field(default_factory=list)  # every GEMM left in it (moepass.coverage)
 
     @property
     def module(self) -> str:
@@ -105,7 +110,10 @@ class GraphRecord:
                 "replaced": {p.name: len(p.rewrites) for p in self.passes},
                 "skipped": {p.name: len(p.skipped) for p in self.passes},
                 "compiled": [c["kind"] for c in self.compiled], "weights_sharded_by_fsdp": self.weights_sharded,
-                "files": f"graphs/{self.index}"}
+                "coverage": self.coverage(), "files": f"graphs/{self.index}"}
+
+    def coverage(self) -> dict:
+        return coverage.coverage(self.gemms, [self.index] * len(self.gemms))
 
     def where(self) -> str:
         return self.module or self.origin.frame or f"graph {self.index}"
@@ -180,6 +188,16 @@ class Report:
                 m.implementations.update(p.implementations)
         return list(merged.values())
 
+    def coverage(self) -> dict:
+        """GEMMs found, low precision, BF16 by reason, unaccounted, and the low-precision share of FLOPs, over every
+        graph (moepass.coverage.coverage)."""
+        return coverage.coverage([u for g in self.graphs for u in g.gemms],
+                                 [g.index for g in self.graphs for _ in g.gemms])
+
+    def folded_gemms(self) -> list[collapse.Folded]:
+        """Every GEMM of every graph, identical layers folded into one line each."""
+        return collapse.fold_gemms([u for g in self.graphs for u in g.gemms])
+
     def ops_before(self) -> Counter:
         return sum((g.ops_before for g in self.graphs), Counter())
 
@@ -210,6 +228,8 @@ class Report:
             "config": self.config,
             "compile_calls": self.compile_calls,
             "per_graph": [g.line() for g in self.graphs],
+            "coverage": self.coverage(),
+            "gemms": [{"graph": g.index, **u.to_dict()} for g in self.graphs for u in g.gemms],
         }
 
     def index(self) -> dict:
@@ -229,46 +249,57 @@ class Report:
             "graph_breaks": self.graph_breaks,
             "frames_run_eagerly": self.frames_eager,
             "replayed_graphs": self.replayed,
+            "coverage": self.coverage(),
+            "gemms_folded": [f.to_dict() for f in self.folded_gemms()],
         }
 
-    def summary(self, max_graphs: int = 20) -> str:
-        """A terminal table: one row per pass (totals), one row per graph when there are several, then every
-        skipped node with its reason."""
+    def summary(self, max_graphs: int = 20, max_lines: int = 20) -> str:
+        """A terminal table: the coverage, one row per pass (totals), one row per graph when there are several,
+        what each GEMM became and every skip with its reason, identical layers folded (at most `max_lines` each)."""
         replayed = (f" ({self.replayed} served from Dynamo's cache, compiled before this report began; their "
                     "graph breaks were counted then)") if self.replayed else ""
         calls = f", {self.compile_calls} torch.compile calls" if self.compile_calls > 1 else ""
-        lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){calls}{replayed}",
-                 f"{'pass':<19} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation"]
+        lines = [f"moepass: {len(self.graphs)} graph(s), {self.graph_breaks} graph break(s){calls}{replayed}"]
         if self.frames_eager:
-            lines.insert(1, f"warning: {self.frames_eager} frame(s) fell back to eager (graph breaks Dynamo could not "
-                            "split at: inside an activation-checkpointed layer, in a loop); the GEMMs they run "
-                            "themselves never reach moepass and stay BF16 (TORCH_LOGS=graph_breaks says where)")
+            lines.append(f"warning: {self.frames_eager} frame(s) fell back to eager (graph breaks Dynamo could not "
+                         "split at: inside an activation-checkpointed layer, in a loop); the GEMMs they run "
+                         "themselves never reach moepass and stay BF16 (TORCH_LOGS=graph_breaks says where)")
+        if self.graphs:
+            cov = self.coverage()
+            lines.append(f"coverage: {coverage.coverage_line(cov)}")
+            lines += _at_most([f"  UNACCOUNTED (a moepass bug: no pass rewrote it or said why): {u['op']} at "
+                               f"{u['module'] or '<top>'} (graph {u['graph']}, node {u['node']})"
+                               for u in cov["unaccounted_gemms"]], max_lines)
+        lines.append(f"{'pass':<19} {'replaced':>8} {'skipped':>8} {'ms':>8}  implementation")
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"
             lines.append(f"{p.name:<19} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")
         if len(self.graphs) > 1:
             lines += self._graph_rows(max_graphs)
-        groups: dict[tuple[str, str], list[str]] = {}
-        for p in self.pass_totals():
-            for s in p.skipped:
-                groups.setdefault((p.name, s.reason), []).append(s.module or "<top>")
-        if groups:
+        folded = self.folded_gemms()
+        if folded:
+            lines.append("GEMMs (identical layers folded):")
+            lines += _at_most([f"  {f.line()}" for f in folded], max_lines)
+        skips = collapse.fold_records([(p.name, s) for p in self.pass_totals() for s in p.skipped],
+                                      lambda s: s.reason)
+        if skips:
             lines.append("skipped (left in BF16 / unchanged):")
-            for (name, reason), modules in groups.items():
-                # a module skipped for one reason at several GEMMs (an expert block's w1, w3, w2) is named once
-                named = [m if n == 1 else f"{m} (x{n})" for m, n in Counter(modules).items()]
-                shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
-                lines.append(f"  [{name}] {shown}: {reason}")
+            # a module skipped for one reason at several nodes (an expert block's w1, w3, w2) is named once
+            lines += _at_most([f"  [{name}] {f.modules or '<top>'}{f' (x{f.nodes})' if f.nodes > 1 else ''}: "
+                               f"{f.outcome}" for name, f in skips], max_lines)
         return "\n".join(lines)
 
     def _graph_rows(self, max_graphs: int) -> list[str]:
         width = min(40, max(len(g.where()) for g in self.graphs))
-        rows = [f"{'graph':>5} {'call':>4}  {'where':<{width}}  {'skipped':>7}  replaced; compiled by Inductor"]
+        rows = [f"{'graph':>5} {'call':>4}  {'where':<{width}}  {'skipped':>7}  {'lowp':>6}  "
+                "replaced; compiled by Inductor"]
         for g in self.graphs[:max_graphs]:
             replaced = ", ".join(f"{p.name} {len(p.rewrites)}" for p in g.passes if p.rewrites) or "nothing"
             compiled = "+".join(c["kind"] for c in g.compiled) or "-"
+            share = g.coverage()["low_precision_flop_share"]
+            skipped = sum(len(p.skipped) for p in g.passes)
             rows.append(f"{g.index:>5} {g.compile_call:>4}  {g.where()[:width]:<{width}}  "
-                        f"{sum(len(p.skipped) for p in g.passes):>7}  {replaced}; {compiled}")
+                        f"{skipped:>7}  {coverage.share_text(share):>6}  {replaced}; {compiled}")
         if len(self.graphs) > max_graphs:
             rows.append(f"  ... and {len(self.graphs) - max_graphs} more graph(s): Report.index() or index.json "
                         "in report_dir lists every one")
@@ -286,3 +317,9 @@ class Report:
         from .report_files import report_page
 
         return report_page(self)
+
+
+def _at_most(lines: list[str], limit: int) -> list[str]:
+    if len(lines) <= limit:
+        return lines
+    return lines[:limit] + [f"  ... and {len(lines) - limit} more (report.html, index.json)"]

@@ -21,8 +21,11 @@ class SkipCode(enum.Enum):
     # ---- low-precision GEMM passes (linear, grouped_mm)
     ROUTER_GATE = ("linear", "router gate", "its scores pick the experts; quantization noise would flip routing",
                    "`lowp.keep_router_bf16: false` to quantize it anyway")
-    OUTPUT_HEAD = ("linear", "output head", "the vocabulary projection (no GEMM or residual add after it in its "
-                   "graph; the last GEMM before a graph break looks the same)", "`lowp.keep_output_head_bf16: false`")
+    OUTPUT_HEAD = ("linear", "output head", "the vocabulary projection: the last GEMM of the model (no GEMM or "
+                   "residual add after it) whose N is the vocabulary size, whose weight is the embedding's, whose "
+                   "output feeds the loss, or which the model's forward returns (the reason says which; a linear "
+                   "that only ends a graph cut by a graph break or DDP stays eligible)",
+                   "`lowp.keep_output_head_bf16: false`")
     EXCLUDED = ("both", "excluded by lowp.exclude", "your exclude pattern matches its module path",
                 "edit `lowp.exclude`")
     NOT_INCLUDED = ("both", "matches no lowp.include", "your include patterns miss its module path",
@@ -33,6 +36,13 @@ class SkipCode(enum.Enum):
                       "FP8 rowwise, 128 for blockwise)", "pad the hidden or intermediate size")
     EMPTY_GEMM = ("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-")
     NOT_2D_WEIGHT = ("linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-")
+    BATCHED_GEMM = ("linear", "a batched product per", "a GEMM per head or per expert on a stacked weight (an "
+                    "einsum subscript shared by x, the weight and the output; bmm, baddbmm or matmul of 3-D stacks): "
+                    "moepass has no low-precision batched GEMM op", "experts: index the stack per expert (`x_e @ "
+                    "W[e]`) or use `torch._grouped_mm` with group offsets; per-head products stay BF16")
+    GEMM_FORM = ("linear", "not a linear form", "a GEMM on a parameter that is not x times one [K, N] or [N, K] "
+                 "weight (the parameter on the left, two parameters, two contracted subscripts, a scaled addmm)",
+                 "write it as `x @ W`, `F.linear` or a two-operand einsum contracting one subscript")
     NOT_MOE_FORM = ("grouped_mm", "only the MoE form", "a grouped GEMM that is not x[M,K] @ w[E,K,N] with group "
                     "offsets (a batched 3-D x 3-D product)", "-")
     GROUPED_BIAS = ("grouped_mm", "with bias", "grouped GEMMs with bias are not supported", "-")
@@ -53,6 +63,11 @@ class SkipCode(enum.Enum):
                      "different meshes, or placed in a layout the ops' sharding strategies do not take as it is "
                      "(rewriting would add communication)", "the colwise / rowwise / sequence-parallel plans of "
                      "`torch.distributed.tensor.parallel`")
+    TORCHAO_CONVERTED = ("both, weights_before_gemm", "converted by torchao (", "you converted it with torchao "
+                         "(a MoE-training `quantize_` config, Float8Linear, MXFP8Linear or another torchao tensor "
+                         "subclass or autograd function): torchao's recipe, kernels and wgrad precision run it as set",
+                         "`lowp.take_over_torchao: true` hands tensor-subclass weights to moepass's recipe; opaque "
+                         "torchao calls stay torchao's unless you leave them unconverted")
     # ---- quantize_once
     NO_ROWS_FORM = ("quantize_once", "no rows form", "the expert GEMM's recipe or kernel quantizes x inside its own "
                     "kernels (mxfp8 through torchao's grouped GEMMs, blockwise on DeepGEMM)", "-")
@@ -60,9 +75,11 @@ class SkipCode(enum.Enum):
                          "where the GEMM reads them", "-")
     DISPATCH_STAYS_BF16 = ("quantize_once", "dispatch sends BF16", "the rows an EP dispatch receives are read by "
                            "more than expert GEMMs that take quantized rows (a routing weight applied before the "
-                           "experts, BF16 rows saved for the wgrad), or its backend is DeepEP, which does not send "
-                           "FP8 rows through moepass yet", "`quantize_once.saved_rows: fp8`; `deepep.backend: "
-                           "reference` to send FP8 rows over torch.distributed")
+                           "experts, BF16 rows saved for the wgrad), or its backend is DeepEP and the rows' scales "
+                           "are not DeepEP's FP8 layout, one fp32 scale per 128 columns (blockwise's 1x128 tiles and "
+                           "fp8_rowwise's row scale are; MXFP8's 1x32 power-of-two scales are not), or the hidden "
+                           "size is not a multiple of 128", "`quantize_once.saved_rows: fp8`; recipe `blockwise` or "
+                           "`fp8_rowwise`; `deepep.backend: reference` to send any scales over torch.distributed")
     # ---- weights_before_gemm
     OUTPUT_READ_ELSEWHERE = ("weights_before_gemm", "unweighted output is also read", "the GEMM's output is read "
                              "besides its product with the routing weights (returned, logged, another op), so the "
@@ -129,7 +146,9 @@ class SkipCode(enum.Enum):
     DEEPEP_BF16 = ("deepep", "DeepEP takes bfloat16", "DeepEP sends bfloat16 tokens only",
                    "bf16 tokens, or `deepep.backend: reference`")
     NO_DYNAMIC_SHAPES = ("deepep", "capture_dynamic_output_shape_ops is off", "the received row count could not be "
-                         "traced", "do not reset torch._dynamo.config after importing moepass")
+                         "traced", "moepass turns it on while it traces its own frames; this frame was traced again "
+                         "without it after failing with it on a data-dependent value (the moepass.dynamo_flags log names "
+                         "it): torch._check that value, or move that code out of the EP frame")
     WEIGHTS_NOT_SCALING = ("deepep", "do not scale them", "routing weights reach the rows sent without multiplying "
                            "them (or multiply them without reaching them as the checks see it)", "-")
     NOT_IDENTIFIED = ("deepep", "were not identified", "the analysis named no result or routing weights for the "

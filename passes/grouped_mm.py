@@ -18,6 +18,7 @@ from torch import fx
 from moepass.analysis.routed_rows import RoutedRows
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.analysis.sharded_gemm import sharded_gemm
+from moepass.analysis.torchao_converted import left_to_torchao, skip_torchao_gemm_calls, taken_from_torchao
 from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
 from moepass.gemm_rules import dtype_problem, module_filter_problem
 from moepass.recipes.plan import apply_plan, plan_gemm
@@ -52,7 +53,7 @@ def find_grouped_mms(gm: fx.GraphModule) -> list[GroupedMMMatch]:
 
 
 def _problem(m: GroupedMMMatch, config) -> Reason | None:
-    problem = module_filter_problem(m.module, config)
+    problem = left_to_torchao(m.node, config) or module_filter_problem(m.module, config)
     if problem:
         return problem
     x, w = tensor_meta(m.x), tensor_meta(m.w_t)
@@ -78,6 +79,7 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     for m in find_grouped_mms(gm):
         with record.in_scope(m.scope):
             _rewrite(m, config, record, routed_rows)
+    skip_torchao_gemm_calls(gm, "grouped", config, record)  # torchao's opaque grouped GEMM calls: no node to match
     log.debug("grouped_mm: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
 
 
@@ -98,4 +100,5 @@ def _rewrite(m: GroupedMMMatch, config, record, routed_rows) -> None:
     shards = "" if sharded is None else f" per shard ({sharded.layout})"
     if isinstance(plan, Reason) and shards:
         plan = plan.plus(f" [K and N{shards}]")
-    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs), f"E={e} K={k} N={n}{shards}")
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.w_t, m.offs),
+               f"E={e} K={k} N={n}{shards}{taken_from_torchao(m.node)}")

@@ -3,10 +3,12 @@
 
 The `recipe` option picks the op per node (moepass.recipes; "auto": recipes.auto): MXFP8 on sm_100 and on CPU, FP8
 rowwise on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere.
-Matches `F.linear(x, W, b)` (what nn.Linear traces to) and the equivalent `x @ W.t()` /
-`torch.matmul(x, W.transpose(0, 1))` on a 2-D parameter. By default the MoE router gate (a
-linear whose output feeds top-k selection) and the output head (the last GEMM, whose output is
-never added back into a residual stream) stay BF16, as in the MXFP8 recipes that trained at scale.
+Every GEMM on a parameter is found, however spelled (moepass.analysis.gemm_spellings reads `F.linear`, `x @ W.t()`,
+`x @ W` on a [K, N] weight, `x_e @ W[e]` on an expert stack, addmm and two-operand einsums as y = x @ W.T): each is
+rewritten, or left alone with its reason (a batched product per head or expert has no low-precision op). By default
+the MoE router gate (a linear whose output feeds top-k selection) and the output head (moepass.analysis.output_head:
+known by the vocabulary, tied weights, the loss, or the model's return) stay BF16, as in the MXFP8 recipes that
+trained at scale.
 """
 
 from __future__ import annotations
@@ -20,69 +22,50 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from moepass.analysis.scopes import Scope, dataflow, graph_scopes
+from moepass import module_paths
+from moepass.analysis.gemm_spellings import KN, NK, parameter_gemm
+from moepass.analysis.gemms import Scopes, op_short_name
+from moepass.analysis.output_head import head_sign
+from moepass.analysis.weight_parameter import weight_parameter
+from moepass.analysis.scopes import Scope, dataflow
 from moepass.analysis.sharded_gemm import sharded_gemm
-from moepass.graph import (example_value, is_gemm, is_linear, is_matmul, module_path, node_arg, reaches,
-                           tensor_meta)
+from moepass.analysis.torchao_converted import left_to_torchao, skip_torchao_gemm_calls, taken_from_torchao
+from moepass.graph import example_value, insert_call, is_gemm, module_path, reaches, tensor_meta
 from moepass.gemm_rules import dtype_problem, module_filter_problem
 from moepass.recipes.plan import apply_plan, plan_gemm
 from moepass.skips import Reason, SkipCode
 
 NAME = "linear"
-SUMMARY = ("BF16 linears (F.linear, x @ W.T) -> moepass::mxfp8_linear or fp8_rowwise_linear (per the recipe); "
-           "router gate and output head stay BF16")
+SUMMARY = ("BF16 linears (F.linear, x @ W.T, x @ W, x_e @ W[e], einsum) -> moepass::mxfp8_linear or "
+           "fp8_rowwise_linear (per the recipe); router gate and output head stay BF16")
 log = logging.getLogger(__name__)
 
 # ops that pick experts: the router is the linear whose scores reach one of these before any GEMM
 _ALWAYS_SELECTING = {"topk", "argsort", "argmax", "argmin", "nonzero", "argwhere", "multinomial"}
 _SELECTING_WITH_INDICES = {"max", "min", "sort", "kthvalue", "mode"}  # when their indices output is used
 _ADD = {operator.add, operator.iadd, torch.add}
-_TRANSPOSES = {"t", "transpose", "permute", "T"}
 
 
 @dataclasses.dataclass
 class LinearMatch:
     node: fx.Node
-    x: fx.Node
-    weight: fx.Node  # the [N, K] weight node (already un-transposed for matmul forms)
+    x: fx.Node | None
+    weight: fx.Node | None  # as the graph holds it: [N, K], or [K, N] when layout is KN (read transposed)
     bias: fx.Node | None
     module: str
     role: str | None  # "router", "output_head" or None
     scope: Scope  # the graph holding the node: the top graph or a HOP body (activation checkpoint, ...)
-
-
-def _untransposed_weight(node) -> fx.Node | None:
-    """For `W.t()` / `W.transpose(0,1)` / `W.T` of a 2-D tensor, return W."""
-    if not isinstance(node, fx.Node):
-        return None
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-    if node.op == "call_function" and node.target is getattr and node.args[1] == "T":
-        name = "T"
-    if name not in _TRANSPOSES:
-        return None
-    w = node.args[0]
-    t = tensor_meta(w)
-    if t is None or t.dim() != 2:
-        return None
-    if name == "transpose" and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
-        return None
-    if name == "permute" and tuple(d % 2 for d in (node.args[1:] if len(node.args) > 2 else node.args[1])) != (1, 0):
-        return None
-    return w
-
-
-def _op_short_name(n: fx.Node) -> str | None:
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        name = getattr(n.target, "__name__", None) or getattr(n.target, "_opname", None)
-        return name.split(".")[0] if isinstance(name, str) else None
-    return None
+    spelling: str = "linear"  # what the user wrote: "linear", "matmul", "mm", "addmm", "einsum", "bmm", ...
+    layout: str = NK
+    x_order: tuple[int, ...] | None = None  # einsum: x permuted so K comes last and its dims in output order
+    n_dim: int | None = None  # einsum: where N sits in the output when not last
+    problem: Reason | None = None  # a GEMM on a parameter that is no linear: why it stays BF16
+    why: str = ""  # what shows its role (the output head's sign), or why the last GEMM of its graph is no head
 
 
 def _selects_experts(n: fx.Node) -> bool:
     """top-k, arg-max, sort indices, threshold masks turned into indices (PhiMoE's sparsemixer uses max)."""
-    name = _op_short_name(n)
+    name = op_short_name(n)
     if name in _ALWAYS_SELECTING:
         return True
     if name in _SELECTING_WITH_INDICES:
@@ -104,49 +87,60 @@ def _is_residual_add(n: fx.Node, numel: int) -> bool:
     return same_shaped or guard_or_false(v.numel() >= numel)
 
 
-def _role(g, node: fx.Node, top: fx.Graph) -> str | None:
+def _role(g, node: fx.Node, n, gm: fx.GraphModule, weight: fx.Node, scopes: Scopes,
+          index: module_paths.ModuleIndex) -> tuple[str | None, str]:
+    """("router" | "output_head" | None, what shows it) for a linear with N outputs."""
     downstream = reaches(g, node, stop_at=is_gemm)
-    if any(_selects_experts(n) for n in downstream):
-        return "router"
+    if any(_selects_experts(d) for d in downstream):
+        return "router", "its output feeds expert selection (top-k, arg-max, sort)"
     out = example_value(node)
     numel = out.numel() if isinstance(out, torch.Tensor) else 0
     # a body output the data flow does not follow (an autograd.Function's) may reach anything
-    leaves_unfollowed = any(n.op == "output" and n.graph is not top and not list(g.successors(n)) for n in downstream)
-    if not leaves_unfollowed and not any(is_gemm(n) or _is_residual_add(n, numel) for n in downstream):
-        return "output_head"
-    return None
+    leaves_unfollowed = any(d.op == "output" and d.graph is not gm.graph and not list(g.successors(d))
+                            for d in downstream)
+    if leaves_unfollowed or any(is_gemm(d) or _is_residual_add(d, numel) for d in downstream):
+        return None, ""
+    sign = head_sign(downstream, n, weight_parameter(weight, scopes, index), gm, scopes, index)
+    if sign is not None:
+        return "output_head", sign.why
+    return None, "the last GEMM of its graph, with no sign of the output head (loss, vocabulary, tied weight, return)"
 
 
-def find_linears(gm: fx.GraphModule) -> list[LinearMatch]:
-    """Every linear-shaped GEMM in the graph and its HOP bodies, with its role. Pure: does not touch the graph."""
-    scopes = graph_scopes(gm)
-    g = dataflow(scopes)
-    return [m for scope in scopes for m in _scope_linears(scope, g, gm.graph)]
+def find_linears(gm: fx.GraphModule, scopes: Scopes | None = None) -> list[LinearMatch]:
+    """Every GEMM on a parameter (and every F.linear) in the graph and its HOP bodies, read as y = x @ W.T (+ b),
+    with its role, or with the reason it is no linear. Pure: does not touch the graph."""
+    scopes = scopes or Scopes(gm)
+    g = dataflow(scopes.entered)
+    index = module_paths.current()
+    return [m for scope in scopes.entered for m in _scope_linears(scope, g, gm, scopes, index)]
 
 
-def _scope_linears(scope: Scope, g, top: fx.Graph) -> list[LinearMatch]:
+def _scope_linears(scope: Scope, g, gm: fx.GraphModule, scopes: Scopes, index) -> list[LinearMatch]:
     matches = []
     for node in scope.graph.nodes:
-        if is_linear(node):
-            x, w, b = node.args[0], node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
-        elif is_matmul(node) and len(node.args) == 2:
-            x, w, b = node.args[0], _untransposed_weight(node.args[1]), None
-            if w is None:
-                continue  # activation @ activation (e.g. attention scores): not a linear
-        else:
+        gemm = parameter_gemm(node, scopes)
+        if gemm is None:
             continue
-        matches.append(LinearMatch(node, x, w, b, module_path(node), _role(g, node, top), scope))
+        module = module_path(node)
+        w = tensor_meta(gemm.weight)
+        role, why = None, ""
+        if gemm.problem is None and w is not None and w.dim() == 2:
+            role, why = _role(g, node, w.shape[0 if gemm.layout == NK else 1], gm, gemm.weight, scopes, index)
+        matches.append(LinearMatch(node, gemm.x, gemm.weight, gemm.bias, module, role, scope, gemm.spelling,
+                                   gemm.layout, gemm.x_order, gemm.n_dim, gemm.problem, why))
     return matches
 
 
 def _problem(m: LinearMatch, config) -> Reason | None:
+    problem = left_to_torchao(m.node, config) or m.problem  # what the user converted with torchao stays theirs
+    if problem:
+        return problem
     if m.role == "router" and config["lowp.keep_router_bf16"]:
         return Reason(SkipCode.ROUTER_GATE, "router gate: its output feeds expert selection (top-k, arg-max, sort) "
                                             "(kept BF16; lowp.keep_router_bf16)")
     if m.role == "output_head" and config["lowp.keep_output_head_bf16"]:
-        return Reason(SkipCode.OUTPUT_HEAD, "output head (vocabulary projection): no GEMM or residual add after it in "
-                                            "this graph (also the last GEMM before a graph break looks so) (kept BF16; "
-                                            "lowp.keep_output_head_bf16)")
+        return Reason(SkipCode.OUTPUT_HEAD, f"output head (vocabulary projection) {m.module!r}: {m.why} (kept BF16 "
+                                            "by lowp.keep_output_head_bf16)")
     problem = module_filter_problem(m.module, config)
     if problem:
         return problem
@@ -162,26 +156,74 @@ def _problem(m: LinearMatch, config) -> Reason | None:
 
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
-    for m in find_linears(gm):
+    scopes = Scopes(gm)
+    for m in find_linears(gm, scopes):
         with record.in_scope(m.scope):
-            _rewrite(m, config, record)
+            _rewrite(m, config, record, scopes)
+    skip_torchao_gemm_calls(gm, "linear", config, record)  # torchao's opaque linear calls: no node to match
     log.debug("linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
 
 
-def _rewrite(m: LinearMatch, config, record) -> None:
-    # the activation as the node holds it now: an earlier rewrite may have replaced it (a linear fed straight
+def _normalised_operands(m: LinearMatch) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
+    """(x, W as [N, K], the nodes inserted for them): the permute and transpose views the rewrite reads."""
+    graph, added = m.scope.graph, []
+    x, w = m.x, m.weight
+    with graph.inserting_before(m.node):
+        if m.x_order is not None:
+            x = insert_call(graph, torch.permute, (x, m.x_order), tensor_meta(x).permute(m.x_order), m.node)
+            added.append(x)
+        if m.layout == KN:
+            w = insert_call(graph, torch.t, (w,), tensor_meta(w).t(), m.node)
+            added.append(w)
+    return x, w, added
+
+
+def _rewrite(m: LinearMatch, config, record, scopes: Scopes) -> None:
+    # the operands as the node holds them now: an earlier rewrite may have replaced one (a linear fed straight
     # from another, `b(a(x))`), and the match recorded the node it replaced
-    m = dataclasses.replace(m, x=m.node.args[0])
+    now = parameter_gemm(m.node, scopes)
+    m = dataclasses.replace(m, x=now.x, bias=now.bias) if now is not None else m
     problem = _problem(m, config)
-    sharded = sharded_gemm("linear", [m.x, m.weight, m.bias]) if not problem else None
-    if problem or isinstance(sharded, Reason):
-        record.skip(m.node, m.module, problem or sharded)
+    if problem:
+        record.skip(m.node, m.module, problem)
         return
-    x = tensor_meta(m.x)
+    x_node, w_node, added = _normalised_operands(m)
+    sharded = sharded_gemm("linear", [x_node, w_node, m.bias])
+    if isinstance(sharded, Reason):
+        _erase(m.scope.graph, added)
+        record.skip(m.node, m.module, sharded.plus(" (the weight read transposed, as [N, K])")
+                    if m.layout == KN else sharded)
+        return
+    x = tensor_meta(x_node)
     # under tensor parallelism each rank runs the GEMM on its shards: plan (alignment, speed) on their sizes
-    x_shape, (n, k) = (x.shape, tensor_meta(m.weight).shape) if sharded is None else sharded.local_shapes[:2]
+    x_shape, (n, k) = (x.shape, tensor_meta(w_node).shape) if sharded is None else sharded.local_shapes[:2]
     plan = plan_gemm(config, "linear", x.device, math.prod(x_shape[:-1]), k, n)
     shards = "" if sharded is None else f" per shard ({sharded.layout})"
-    if isinstance(plan, Reason) and shards:
-        plan = plan.plus(f" [K and N{shards}]")
-    apply_plan(record, m.scope.graph, m.node, m.module, plan, (m.x, m.weight, m.bias), f"K={k} N={n}{shards}")
+    if isinstance(plan, Reason):
+        _erase(m.scope.graph, added)
+        record.skip(m.node, m.module, plan.plus(f" [K and N{shards}]") if shards else plan)
+        return
+    spelled = "" if m.spelling == "linear" else f" (from {m.spelling}{', W read [K, N]' if m.layout == KN else ''})"
+    note = f"; {m.why}, so eligible" if m.why and m.role is None else ""
+    moved = _output_in_order(m)
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (x_node, w_node, m.bias),
+               f"K={k} N={n}{shards}{spelled}{note}{taken_from_torchao(m.node)}")
+    if moved is not None:  # the op's output holds N last; the einsum's user reads it where the einsum put it
+        op = moved.args[0]
+        op.meta["example_value"] = tensor_meta(moved).movedim(m.n_dim, -1)
+        op.meta.pop("val", None)
+
+
+def _erase(graph: fx.Graph, added: list[fx.Node]) -> None:
+    for node in reversed(added):  # the views inserted for a rewrite that is not made
+        graph.erase_node(node)
+
+
+def _output_in_order(m: LinearMatch) -> fx.Node | None:
+    """For an einsum with N not last: a movedim after the node, taking over its users (the node then feeds it)."""
+    if m.n_dim is None:
+        return None
+    with m.scope.graph.inserting_after(m.node):
+        moved = insert_call(m.scope.graph, torch.movedim, (m.node, -1, m.n_dim), tensor_meta(m.node), m.node)
+    m.node.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+    return moved

@@ -31,6 +31,7 @@ from torch import fx
 
 from moepass.analysis.dtensors import is_dtensor
 from moepass.analysis.scopes import graph_scopes
+from moepass.analysis.torchao_converted import left_to_torchao
 from moepass.emit import Emitter, fake_value
 from moepass.graph import ancestors, is_grouped_mm, is_linear, is_matmul, module_path, node_arg, tensor_meta
 from moepass.skips import Reason, SkipCode
@@ -54,7 +55,7 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
                 if found is None:
                     continue
                 chain, mul, weight = found
-                problem = _problem(node, chain, mul)
+                problem = left_to_torchao(node, config) or _problem(node, chain, mul)  # torchao's numerics stay
                 if problem is not None:
                     record.skip(node, module_path(node), problem)
                     continue

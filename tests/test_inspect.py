@@ -93,10 +93,9 @@ def test_last_report_gathers_every_graph_of_one_compiled_model():
     torch._dynamo.reset()
     torch.compile(Broken(), backend="moepass", options=OPTIONS)(X)
     report = moepass.last_report()
-    # `up` ends the first graph: like an output head, nothing after it there (kept BF16, with that reason)
-    assert report.to_dict()["graphs"] == 2 and _linear_pass(report)["replaced"] == 1
-    (skip,) = _linear_pass(report)["skipped"]
-    assert skip["module"] == "up" and "graph break" in skip["reason"]
+    # `up` ends the first graph at the break, but nothing shows it is the output head: rewritten (issue 42)
+    assert report.to_dict()["graphs"] == 2 and _linear_pass(report)["replaced"] == 2
+    assert _linear_pass(report)["skipped"] == []
 
 
 def test_collecting_counts_graph_breaks():
@@ -165,3 +164,22 @@ def test_a_frame_dynamo_gives_up_on_is_reported_as_run_eagerly():
     d = report.to_dict()
     assert (d["graphs"], d["graph_breaks"], d["frames_run_eagerly"]) == (0, 1, 1)
     assert "warning: 1 frame(s) fell back to eager" in report.summary()
+
+
+def test_cli_inspect_prints_the_coverage_it_saves(tmp_path, capsys):
+    """`moepass inspect` prints the coverage line and the GEMMs folded by layer, with the numbers index.json has."""
+    import json
+
+    from helpers import TINY
+
+    from moepass.cli import main
+    from moepass.coverage import coverage_line
+
+    torch._dynamo.reset()
+    overrides = {k: v for k, v in TINY.items() if k != "n_layers"}
+    assert main(["inspect", "--layers", "4", "--model-overrides", json.dumps(overrides), "--batch", "1", "--seq", "16",
+                 "--options", json.dumps(OPTIONS), "--out", str(tmp_path)]) == 0
+    stdout = capsys.readouterr().out
+    coverage = json.loads((tmp_path / "index.json").read_text())["coverage"]
+    assert f"coverage: {coverage_line(coverage)}" in stdout and coverage["unaccounted"] == 0
+    assert "layers.1-3.moe.experts: w1, w3, w2 → mxfp8 grouped GEMM (×3)" in stdout

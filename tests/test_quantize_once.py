@@ -188,17 +188,29 @@ def test_saved_rows_auto_keeps_fp8_rows_where_the_wgrad_keeps_its_precision(reci
     assert len(rewrites) == 3 and all(f"{saved} rows saved for the wgrad" in r["detail"] for r in rewrites), rewrites
 
 
+class MoE(torch.nn.Module):
+    """The experts as a submodule: their three GEMMs share its module path."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = Experts("getitem")
+
+    def forward(self, x, idx, offs):
+        return self.experts(x, idx, offs)
+
+
 def test_pass_leaves_a_recipe_without_rows_form_alone_with_the_reason():
     x, _, idx, offs, _ = _problem(3)
     torch._dynamo.reset()
     with moepass.collecting() as report:
-        torch.compile(Experts("getitem"), backend="moepass",
+        torch.compile(MoE(), backend="moepass",
                       options={"recipe": "mxfp8", "inductor": False, "passes": ["grouped_mm", "quantize_once"]})(
             x, idx, offs)
     skipped = {p["name"]: p for p in report.to_dict()["passes"]}["quantize_once"]["skipped"]
     assert len(skipped) == 3 and all("no rows form" in s["reason"] for s in skipped), skipped
+    assert {s["module"] for s in skipped} == {"experts"}
     # the summary names the module once for its three GEMMs (w1, w3, w2)
-    assert f"[quantize_once] {skipped[0]['module'] or '<top>'} (x3): " in report.summary(), report.summary()
+    assert "[quantize_once] experts (x3): " in report.summary(), report.summary()
 
 
 def test_an_unexpected_error_leaves_the_gemm_as_grouped_mm_left_it(monkeypatch):

@@ -61,6 +61,22 @@ def test_index_totals_are_the_sums_over_the_graphs_own_reports(per_block_run):
     assert report["graphs"] == len(graphs) == 3
 
 
+def test_coverage_totals_are_the_sums_over_the_graphs_own(per_block_run):
+    """Each block compiled apart: the run's coverage adds up the graphs' (GEMMs, outcomes, FLOPs); the loss has none."""
+    out, last, _ = per_block_run
+    index = _read(out / "index.json")
+    own = [line["coverage"] for line in index["graphs"]]
+    total = index["coverage"]
+    assert total == last.coverage() == _read(out / "report.json")["coverage"]
+    for key in ("gemms", "low_precision", "unaccounted", "not_weight"):
+        assert total[key] == sum(c[key] for c in own)
+    assert total["flops"]["total"] == sum(c["flops"]["total"] for c in own) > 0
+    assert [c["gemms"] for c in own][2] == 0 and own[2]["low_precision_flop_share"] is None  # the loss graph
+    assert own[1]["bf16"] == {"ROUTER_GATE": 1} and total["bf16"] == {"ROUTER_GATE": 1}
+    page = (out / "report.html").read_text()
+    assert page.index("class='coverage'") < page.index("<h2")
+
+
 def test_every_graph_has_its_own_report_and_code_on_disk(per_block_run):
     out, _, _ = per_block_run
     index = _read(out / "index.json")

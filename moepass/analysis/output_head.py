@@ -1,0 +1,104 @@
+"""The model's output head (its vocabulary projection), known by what it is, not by where a graph ends.
+
+A head is a linear at the end of the model: no GEMM or residual add reads its output. Ending one graph does not make
+a head: a graph cut at a graph break, a frame Dynamo compiled apart (one expert's forward, one MLP's) or a DDP bucket
+ends at an interior linear just the same. What does, any one of (checked in this order):
+  - its output feeds the loss (cross_entropy, log_softmax, nll_loss) in the graph;
+  - its weight is an embedding's (tied embeddings);
+  - N is the vocabulary size: the rows of an embedding of its model (the live model, reached through the weight,
+    see moepass.module_paths; or an embedding lookup in the graph);
+  - the model's forward returns its output: the graph is the model's own frame (its weights are read from the
+    frame's local as from the top of the model), ended by its return, not by a graph break or a DDP split. Alone,
+    this is the weakest sign, and the reason says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx, nn
+
+from moepass.graph import tensor_meta
+from moepass.module_paths import WRAPPER_ATTRS, ModuleIndex
+
+from .gemms import Scopes, op_short_name, weight_source
+from .weight_parameter import WeightParameter
+
+_LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "log_softmax",
+           "_log_softmax"}
+_EMBEDDING_OPS = {"embedding"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSign:
+    why: str  # what shows it is the head (and, where only its position does, that it is unsure), for the reason
+
+
+def _is_embedding(module: nn.Module) -> bool:
+    """nn.Embedding, or a module named like one holding a 2-D weight (DeepSeek's ParallelEmbedding, Megatron's
+    VocabParallelEmbedding); rotary "embeddings" hold no weight."""
+    weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    return isinstance(module, nn.Embedding) or (type(module).__name__.endswith("Embedding")
+                                                and weight is not None and weight.dim() == 2)
+
+
+def _vocabularies(param: WeightParameter, scopes: Scopes) -> list[tuple[str, int]]:
+    """(embedding, rows) of the embeddings of the weight's model, and of the embedding lookups in the graph."""
+    found = []
+    if param.model is not None:
+        for path, module in param.model.named_modules():
+            if _is_embedding(module):
+                path = ".".join(p for p in path.split(".") if p not in WRAPPER_ATTRS)
+                found.append((path or type(module).__name__, int(module._parameters["weight"].shape[0])))
+    for scope in scopes.entered:
+        for n in scope.graph.nodes:
+            table = tensor_meta(n.args[1]) if op_short_name(n) in _EMBEDDING_OPS and len(n.args) > 1 else None
+            if table is not None and table.dim() == 2 and isinstance(table.shape[0], int):
+                found.append((f"the lookup {n.name}", int(table.shape[0])))
+    return found
+
+
+def _tied(param: WeightParameter, index: ModuleIndex, scopes: Scopes) -> str | None:
+    """The embedding the weight is shared with, if any."""
+    for module, _ in index.holders(param.value) if param.value is not None else ():
+        if _is_embedding(module):
+            return index.module_path(module) or type(module).__name__
+    for scope in scopes.entered:
+        for n in scope.graph.nodes:
+            if op_short_name(n) in _EMBEDDING_OPS and len(n.args) > 1 and isinstance(n.args[1], fx.Node) \
+                    and param.node is not None and weight_source(n.args[1], scopes) is param.node:
+                return f"the lookup {n.name}"
+    return None
+
+
+def _returned_by_model(top: fx.GraphModule, downstream: set[fx.Node], param: WeightParameter) -> bool:
+    """The graph is the model's whole forward (its frame's local is the top of the model; Dynamo compiled it for
+    the frame's return, not a graph break or a DDP split) and the linear's output is among what it returns."""
+    reason = getattr(top, "compile_subgraph_reason", None)
+    if reason is None or getattr(reason, "graph_break", True):
+        return False
+    if not any(n.op == "output" and n.graph is top.graph for n in downstream):
+        return False
+    return param.source is not None and param.source == param.path
+
+
+def head_sign(downstream: set[fx.Node], n, param: WeightParameter, top: fx.GraphModule, scopes: Scopes,
+              index: ModuleIndex) -> HeadSign | None:
+    """What shows that a linear ending its graph (`downstream`: what its output reaches before a GEMM) with N
+    outputs is the model's output head; None when nothing does (it then stays eligible)."""
+    loss = next((op_short_name(u) for u in downstream if op_short_name(u) in _LOSSES), None)
+    if loss is not None:
+        return HeadSign(f"its output feeds the loss ({loss})")
+    tied = _tied(param, index, scopes)
+    if tied is not None:
+        return HeadSign(f"its weight is the embedding's ({tied}): tied embeddings")
+    vocabularies = _vocabularies(param, scopes)
+    hit = next((v for v in vocabularies if isinstance(n, int) and v[1] == n), None)
+    if hit is not None:
+        return HeadSign(f"N={n} is the vocabulary size (the rows of {hit[0]})")
+    if _returned_by_model(top, downstream, param):
+        unsure = (f"N={n} is no embedding's row count ({', '.join(f'{p}: {r}' for p, r in vocabularies)})"
+                  if vocabularies else "no embedding or loss in sight to confirm it")
+        return HeadSign(f"the model's forward returns its output, the last GEMM of the model; judged by position "
+                        f"only: {unsure}")
+    return None

@@ -1,0 +1,15 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+from .experts import GroupedExperts, LoRAGroupedExperts
+from .moe import MoE, TokenChoiceTopKRouter
+
+__all__ = [
+    "MoE",
+    "GroupedExperts",
+    "LoRAGroupedExperts",
+    "TokenChoiceTopKRouter",
+]
