@@ -4,10 +4,10 @@
     report = moepass.inspect(model, tokens)                   # what each pass rewrote, and why not
 """
 
-from .collect import collecting, last_report
+from .report.collect import collecting, last_report
 from .inspect import inspect
 from .options import OPTIONS, PIPELINE, Config, OptionsError
-from .report import Report
+from .report.records import Report
 
 __all__ = ["inspect", "collecting", "last_report", "Report", "Config", "OptionsError", "OPTIONS", "PIPELINE"]
 __version__ = "0.1.0"

@@ -13,11 +13,11 @@ import sys
 import torch
 from torch import fx
 
-from . import collect, dynamo_flags, recipes
-from .cache_key import CompiledGraphAudit
-from .saved_for_backward import SavedForBackward
+from .report import collect
+from . import dynamo_flags, recipes
+from .inductor_stage.cache_key import CompiledGraphAudit
 from .options import Config
-from .pipeline import run_pipeline
+from .pipeline import inductor_stage, run_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     audit = CompiledGraphAudit(record.compiled, variant=recipes.cache_variant(settled),
                                on_compiled=lambda: collect.save_graph(report, held))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
-    patches = {**inductor_patches(config), "post_grad_custom_post_pass": audit,
-               "joint_custom_pre_pass": SavedForBackward()}
+    patches = {**inductor_patches(config), **inductor_stage(audit)}
     from torch._inductor.decomposition import select_decomp_table
 
     # the recipes' decompositions over Inductor's table (FP8-rowwise "scaled_mm" ops become plain torch here, so

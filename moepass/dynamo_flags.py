@@ -107,10 +107,9 @@ def backends(compiler_fn) -> list:
 
 def wants_flags(compiler_fn) -> bool:
     """The frame is compiled for moepass: by its backend, or by Inductor while the Inductor route is installed."""
-    from .backend import moepass_backend
-
     chain = backends(compiler_fn)
-    if any(fn is moepass_backend for fn in chain):
+    backend = sys.modules.get("moepass.backend")  # not imported: no frame is compiled by it
+    if backend is not None and any(fn is backend.moepass_backend for fn in chain):
         return True
     route = sys.modules.get("moepass.inductor_route")  # not imported: not installed
     return route is not None and route.installed() is not None and any(map(_is_inductor, chain))

@@ -38,12 +38,12 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import collect, dynamo_flags, recipes
-from .cache_key import CompiledGraphAudit, source_hash
-from .saved_for_backward import SavedForBackward
+from .report import collect
+from . import dynamo_flags, recipes
+from .inductor_stage.cache_key import CompiledGraphAudit, source_hash
 from .options import Config, OptionsError
-from .pipeline import run_pipeline
-from .report import GraphRecord
+from .pipeline import inductor_stage, run_pipeline
+from .report.records import GraphRecord
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,7 @@ class _Installation:
         self.config = config
         self.pre_grad = MoepassPreGradPass(config)
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
-                         "post_grad_custom_post_pass": RouteAudit(self.pre_grad, recipes.cache_variant(_settled(config))),
-                         "joint_custom_pre_pass": SavedForBackward()}
+                         **inductor_stage(RouteAudit(self.pre_grad, recipes.cache_variant(_settled(config))))}
         self.decompositions: dict = {}
         self.replaced: dict[tuple[Any, str], Any] = {}  # (config module, name) -> value before install
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .collect import collecting
+from .report.collect import collecting
 from .options import Config
-from .report import Report
+from .report.records import Report
 
 
 def inspect(model, *example_args, options: dict | None = None, **example_kwargs) -> Report:

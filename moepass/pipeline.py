@@ -1,33 +1,60 @@
-"""Runs the enabled passes, in pipeline order, on one Dynamo graph and records what each did.
+"""What moepass does to a graph, in one place: the passes on the Dynamo graph, then the stage inside Inductor.
 
-A pass is a module under `moepass.passes` named like its pass, exposing
-`NAME`, `SUMMARY` and `run(gm, example_inputs, config, record) -> None`; the pipeline order
-is data (`moepass.options.PIPELINE`), never control flow here.
+1. PASSES (moepass/passes/, in this order) rewrite the Dynamo graph: run_pipeline runs the enabled ones and records
+   what each did. A pass exposes `NAME`, `SUMMARY` and `run(gm, example_inputs, config, record) -> None`;
+   `options["passes"]` picks a subset, the order stays this one (moepass.options.PIPELINE names it; a test keeps
+   the two equal).
+2. After the passes, on the same graph: selective-AC policies are shown the new GEMM ops (inductor_stage/sac_policy),
+   and every GEMM left is counted: rewritten, kept BF16 with its reason, or unaccounted (report/coverage).
+3. INDUCTOR_STAGE: what runs inside Inductor, set as its config entries by the backend (backend.py) or the Inductor
+   route (inductor_route.py), besides the recipes' decompositions added to Inductor's table (recipes.decompositions).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 
 from torch import fx
 
-from . import coverage, module_paths, sac_policy, torch_logs
+from .report import coverage, torch_logs
+from .analysis import module_paths
+from .inductor_stage import sac_policy
 from .analysis.fsdp import weights_sharded
 from .analysis.scopes import graph_scopes
-from .graph import op_histogram
+from .analysis.graph import op_histogram
+from .inductor_stage.cache_key import CompiledGraphAudit
+from .inductor_stage.saved_for_backward import SavedForBackward
 from .options import PIPELINE, Config, canonical_pass
-from .report import GraphRecord, PassRecord
+from .passes import deepep, grouped_mm, linear, quantize_once, weights_before_gemm
+from .report.records import GraphRecord, PassRecord
 
 log = logging.getLogger(__name__)
+
+PASSES = {p.NAME: p for p in (deepep, weights_before_gemm, grouped_mm, quantize_once, linear)}
+"""The passes, by name, in the order they run."""
+
+INDUCTOR_STAGE = (
+    # on the joint graph, before the partitioner reads it: EP exchanges kept for the backward (ep_recompute),
+    # gathered FP8 rows gathered again rather than kept (regather_rows)
+    ("joint_custom_pre_pass", SavedForBackward),
+    # on each graph Inductor compiles (forward, backward): what it left of moepass's ops; its uuid is the cache key
+    ("post_grad_custom_post_pass", CompiledGraphAudit),
+)
+"""Inductor config entry -> the moepass pass it holds, in the order Inductor runs them (the Inductor route's
+RouteAudit hands each compiled graph to a CompiledGraphAudit)."""
+
+
+def inductor_stage(audit) -> dict:
+    """INDUCTOR_STAGE's config entries for one compile: a fresh joint-graph pass, `audit` in the post-grad slot."""
+    return {"joint_custom_pre_pass": SavedForBackward(), "post_grad_custom_post_pass": audit}
 
 
 def load_pass(name: str):
     """The pass module for a pass name (or an old name of one)."""
     if canonical_pass(name) not in PIPELINE:
         raise ValueError(f"moepass: unknown pass {name!r}; passes are {list(PIPELINE)}")
-    return importlib.import_module(f"moepass.passes.{canonical_pass(name)}")
+    return PASSES[canonical_pass(name)]
 
 
 def graph_code(gm: fx.GraphModule) -> str:

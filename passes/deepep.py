@@ -25,11 +25,12 @@ from torch import fx
 
 from moepass.analysis.collectives import is_autograd_function, is_collective
 from moepass.analysis.dtensors import is_dtensor, local_value
-from moepass.analysis.ep_region import EPRegion, find_ep_regions, result_readers
+from moepass.analysis.ep_parts import EPRegion
+from moepass.analysis.ep_region import find_ep_regions, result_readers
 from moepass.analysis.scopes import graph_scopes
-from moepass.emit import Emitter, fake_value
-from moepass.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
-from moepass.skips import Reason, SkipCode
+from moepass.analysis.emit import Emitter, fake_value
+from moepass.analysis.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
+from moepass.report.skips import Reason, SkipCode
 
 NAME = "deepep"
 SUMMARY = "EP all-to-all dispatch/combine regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics)"

@@ -19,10 +19,11 @@ from moepass.analysis.routed_rows import RoutedRows
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.analysis.torchao_converted import left_to_torchao, skip_torchao_gemm_calls, taken_from_torchao
-from moepass.graph import is_grouped_mm, module_path, node_arg, tensor_meta
-from moepass.gemm_rules import dtype_problem, module_filter_problem
+from moepass.analysis.graph import is_grouped_mm, node_arg, tensor_meta
+from moepass.analysis.node_module import module_path
+from moepass.analysis.gemm_rules import dtype_problem, module_filter_problem
 from moepass.recipes.plan import apply_plan, plan_gemm
-from moepass.skips import Reason, SkipCode
+from moepass.report.skips import Reason, SkipCode
 
 NAME = "grouped_mm"
 SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "

@@ -33,11 +33,12 @@ from moepass.analysis.dtensors import is_dtensor
 from moepass.analysis.evaluate import reads_only_metadata
 from moepass.analysis.row_gathers import gathered_from
 from moepass.analysis.scopes import graph_scopes
-from moepass.emit import Emitter
-from moepass.graph import example_value, module_path, replace_node, tensor_meta
-from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
+from moepass.analysis.emit import Emitter
+from moepass.analysis.graph import example_value, replace_node, tensor_meta
+from moepass.analysis.node_module import module_path
+from moepass.analysis.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
 from moepass.ops.ep import deepep
-from moepass.skips import Reason, SkipCode
+from moepass.report.skips import Reason, SkipCode
 
 NAME = "quantize_once"
 SUMMARY = ("moepass::<recipe>_grouped_mm(x[idx], ...) -> <recipe>_grouped_mm_rows(x[idx], q[idx], scale[idx], ...) "

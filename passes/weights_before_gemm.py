@@ -32,9 +32,10 @@ from torch import fx
 from moepass.analysis.dtensors import is_dtensor
 from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.torchao_converted import left_to_torchao
-from moepass.emit import Emitter, fake_value
-from moepass.graph import ancestors, is_grouped_mm, is_linear, is_matmul, module_path, node_arg, tensor_meta
-from moepass.skips import Reason, SkipCode
+from moepass.analysis.emit import Emitter, fake_value
+from moepass.analysis.graph import ancestors, is_grouped_mm, is_linear, is_matmul, node_arg, tensor_meta
+from moepass.analysis.node_module import module_path
+from moepass.report.skips import Reason, SkipCode
 
 NAME = "weights_before_gemm"
 SUMMARY = ("G(h, W) * w[:, None] -> G(h * w[:, None], W): a per-row (routing) weight of a GEMM's output applied to "

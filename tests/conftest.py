@@ -7,7 +7,7 @@ import sys
 # process and CLI subprocess a test starts inherits it. Export TORCHINDUCTOR_VEC_ISA_OK=1 to test vectorized code.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Every GEMM a test compiles with moepass is rewritten or has its reason: an unaccounted one fails the compile that
-# found it (moepass.coverage), here and in every rank process and CLI subprocess (they inherit the environment).
+# found it (moepass.report.coverage), here and in every rank process and CLI subprocess (they inherit the environment).
 os.environ.setdefault("MOEPASS_STRICT_GEMMS", "1")
 
 import pytest  # noqa: E402

@@ -311,8 +311,8 @@ def test_region_is_found(ids_from, counts_from, fake_process_group):
 @pytest.mark.parametrize("spelling, reason", LEFT_ALONE.items(), ids=["-".join(c) for c in LEFT_ALONE])
 def test_region_with_unproven_bincount_length_is_left_alone_with_the_reason(spelling, reason, fake_process_group):
     from moepass.analysis.ep_region import find_ep_regions
-    from moepass.left_alone import explain
-    from moepass.skips import SkipCode
+    from moepass.report.left_alone import explain
+    from moepass.report.skips import SkipCode
 
     gm, _ = _capture(BoundedCountsMoE(fake_process_group, *spelling), _x())
     regions, skips = find_ep_regions(gm)
@@ -349,7 +349,7 @@ def test_ids_from_a_graph_input_are_not_provably_bounded(fake_process_group):
 def _rewrite(gm):
     from moepass.options import Config
     from moepass.passes import deepep
-    from moepass.report import PassRecord
+    from moepass.report.records import PassRecord
 
     record = PassRecord("deepep")
     deepep.run(gm, [], Config.from_options({}), record)
@@ -387,7 +387,7 @@ def test_rewritten_graph_asserts_the_ids_lie_below_the_experts(fake_process_grou
 
 def _feed_ids_past_the_experts(gm):
     """The checked code path with ids it was not meant to see: the check reads ids + E."""
-    from moepass.emit import fake_value
+    from moepass.analysis.emit import fake_value
 
     (check,) = _ids_checks(gm)
     ids = _checked_ids(check)

@@ -5,7 +5,7 @@ import pathlib
 import moepass
 import moepass.harness
 import moepass.passes
-from moepass.cache_key import CompiledGraphAudit, source_files, source_hash, source_roots, tree_hash
+from moepass.inductor_stage.cache_key import CompiledGraphAudit, source_files, source_hash, source_roots, tree_hash
 
 MOEPASS = pathlib.Path(moepass.__file__).parent
 

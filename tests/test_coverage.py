@@ -1,4 +1,4 @@
-"""Every GEMM a compiled graph holds is accounted for (moepass.coverage): rewritten to a low-precision op, kept BF16
+"""Every GEMM a compiled graph holds is accounted for (moepass.report.coverage): rewritten to a low-precision op, kept BF16
 with a reason, not a weight GEMM (attention scores), or shown as unaccounted; and the share of GEMM FLOPs that runs
 in low precision, in the report's dict, index, files and summary.
 
@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import moepass
-from moepass import coverage
-from moepass.coverage import BF16, LOW_PRECISION, NOT_WEIGHT, PASS_OFF, UNACCOUNTED, WGRAD_BF16, census
+from moepass.report import coverage
+from moepass.report.coverage import BF16, LOW_PRECISION, NOT_WEIGHT, PASS_OFF, UNACCOUNTED, WGRAD_BF16, census
 from moepass.models import build_model
 
 BF = torch.bfloat16

@@ -74,7 +74,7 @@ def train(backend: str, rank: int, options: dict | None = None):
 def check_ddp_training(rank, world_size, options, reference):
     import warnings
 
-    from moepass import coverage
+    from moepass.report import coverage
 
     warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
     losses, reports, params = train("moepass", rank, options)

@@ -118,7 +118,7 @@ def test_graph_without_all_to_alls_is_left_untouched():
     from moepass.models import MoE, get_config
     from moepass.options import Config
     from moepass.passes import deepep
-    from moepass.report import PassRecord
+    from moepass.report.records import PassRecord
 
     moe = MoE(get_config("debug"))
     (gm,) = _capture(moe, torch.randn(2, 8, 256, dtype=torch.bfloat16))
@@ -146,7 +146,7 @@ def _tokens(rank):
 def check_finder_finds_one_region_per_moe_layer(rank, world_size):
     import moepass.backend  # noqa: F401  (sets the capture flags, as torch.compile(backend="moepass") would)
     from moepass.analysis.ep_region import find_ep_regions
-    from moepass.graph import module_path
+    from moepass.analysis.node_module import module_path
 
     model = _debug_model(n_layers=3)
     (gm,) = _capture(model, _tokens(rank))

@@ -19,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from moepass.dynamo_flags import FLAGS
 from moepass.analysis.ep_region import find_ep_regions
-from moepass.left_alone import explain
+from moepass.report.left_alone import explain
 
 TOKENS, HIDDEN, EXPERTS, TOP_K, RANKS = 16, 64, 8, 2, 2
 
@@ -384,7 +384,7 @@ def _sm90(monkeypatch):
 def test_experts_expect_the_rows_this_rank_sends():
     """Received rows are data dependent; on average a rank receives the T*K rows it sends."""
     from moepass.analysis.routed_rows import RoutedRows
-    from moepass.graph import example_int, tensor_meta
+    from moepass.analysis.graph import example_int, tensor_meta
 
     gm = capture(ep_moe(), _x())
     rows = _experts_input(gm)
@@ -398,7 +398,7 @@ def test_experts_expect_the_rows_ep_dispatch_sends_after_the_deepep_rewrite():
     from moepass.analysis.routed_rows import RoutedRows
     from moepass.options import Config
     from moepass.passes import deepep
-    from moepass.report import PassRecord
+    from moepass.report.records import PassRecord
 
     gm = capture(ep_moe(), _x())
     record = PassRecord("deepep")
@@ -413,7 +413,7 @@ def test_auto_recipe_decides_grouped_gemms_after_an_exchange_on_the_rows_to_expe
     expectation (here 32 rows over 4 local experts: too small for FP8, as the size rule says)."""
     from moepass.options import Config
     from moepass.passes import grouped_mm
-    from moepass.report import PassRecord
+    from moepass.report.records import PassRecord
 
     _sm90(monkeypatch)
     gm = capture(ep_moe(), _x())
@@ -467,7 +467,7 @@ _CATALOG_BLOCKS = [(c, n) for c in ("ep_catalog", "ep_catalog_unseen") for n in 
 def test_catalog_experts_expect_the_rows_each_rank_sends(catalog, name):
     from moepass.analysis.routed_rows import RoutedRows
     from moepass.analysis.scopes import graph_scopes
-    from moepass.graph import example_int, tensor_meta
+    from moepass.analysis.graph import example_int, tensor_meta
 
     block = __import__(catalog).build(name, dist.group.WORLD)
     graphs = []

@@ -15,7 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
-from moepass.cache_key import CompiledGraphAudit
+from moepass.inductor_stage.cache_key import CompiledGraphAudit
 from moepass.ops.lowp.fp8_rowwise import decomp, quant
 from helpers import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend,
                      two_linears_per_kernel)

@@ -241,7 +241,7 @@ def test_compiled_model_with_bf16_expert_wgrad_trains_on_unaligned_token_groups(
 def _compiled_with_decompositions(fn, sink, expert_weights_once=False, linear_both_layouts="none"):
     from torch._inductor.compile_fx import compile_fx
 
-    from moepass.cache_key import CompiledGraphAudit
+    from moepass.inductor_stage.cache_key import CompiledGraphAudit
     from moepass.ops.lowp.fp8_rowwise.decomp import inductor_decompositions
 
     audit = CompiledGraphAudit(sink, variant=f"{expert_weights_once}-{linear_both_layouts}")

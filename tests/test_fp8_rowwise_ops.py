@@ -16,7 +16,7 @@ import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
 from moepass.recipes import FP8_ROWWISE, RECIPES, auto, auto_table
 from moepass.recipes.plan import resolve_recipe
-from moepass.skips import SkipCode
+from moepass.report.skips import SkipCode
 from moepass.options import OPTIONS, OptionsError
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (OpsCalled, assert_all_equal, assert_sqnr, block_inputs, call_targets, forward_backward,

@@ -4,8 +4,8 @@ import torch
 import torch.nn as nn
 
 import moepass
-from moepass.left_alone import explain, left_alone_table_markdown
-from moepass.skips import SkipCode
+from moepass.report.left_alone import explain, left_alone_table_markdown
+from moepass.report.skips import SkipCode
 
 
 class Ineligible(nn.Module):
@@ -62,7 +62,7 @@ def test_readme_lists_what_moepass_leaves_alone_as_generated():
     import pathlib
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    assert left_alone_table_markdown() in readme, "stale: paste moepass.left_alone.left_alone_table_markdown()"
+    assert left_alone_table_markdown() in readme, "stale: paste moepass.report.left_alone.left_alone_table_markdown()"
 
 
 def test_zero_width_gemms_are_left_alone():
@@ -93,7 +93,7 @@ def _skips(report, pass_name: str) -> list:
 
 
 def test_explain_finds_a_code_by_itself_its_name_or_a_record_carrying_it():
-    from moepass.report import Skip
+    from moepass.report.records import Skip
 
     assert explain(SkipCode.ROUTER_GATE) is explain("ROUTER_GATE") is SkipCode.ROUTER_GATE
     assert explain(Skip("n", "m", "router gate: ...", SkipCode.ROUTER_GATE)) is SkipCode.ROUTER_GATE

@@ -30,7 +30,7 @@ from torch import nn
 
 import moepass
 from moepass import inductor_route
-from moepass.cache_key import CompiledGraphAudit
+from moepass.inductor_stage.cache_key import CompiledGraphAudit
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
 from moepass.recipes import RECIPES

@@ -173,7 +173,7 @@ def test_cli_inspect_prints_the_coverage_it_saves(tmp_path, capsys):
     from helpers import TINY
 
     from moepass.cli import main
-    from moepass.coverage import coverage_line
+    from moepass.report.coverage import coverage_line
 
     torch._dynamo.reset()
     overrides = {k: v for k, v in TINY.items() if k != "n_layers"}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import moepass
-from moepass.graph import normalize_module_path
+from moepass.analysis.module_paths import normalize_module_path
 
 
 class Block(nn.Module):

@@ -78,7 +78,7 @@ def test_inductor_fuses_emulated_mxfp8_bit_equal_to_the_ops():
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
-    from moepass.cache_key import CompiledGraphAudit
+    from moepass.inductor_stage.cache_key import CompiledGraphAudit
     from moepass.ops.lowp import mxfp8_decomp
 
     def block(x, w, w_t, offs):

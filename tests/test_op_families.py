@@ -1,6 +1,6 @@
 """The low-precision op families (moepass/ops/lowp/linear.py, grouped_mm.py), one per GEMM kind, instantiated per
 recipe (moepass.recipes): shared checks in the same words for every recipe, one device probe, leaf GEMM
-primitives, every GEMM op known to moepass.op_registry. Each recipe's numerics are in test_mxfp8_ops.py,
+primitives, every GEMM op known to moepass.analysis.op_registry. Each recipe's numerics are in test_mxfp8_ops.py,
 test_fp8_rowwise_ops.py and test_blockwise_ops.py."""
 
 import ast
@@ -11,7 +11,7 @@ import torch
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 from moepass import device_arch
-from moepass.op_registry import GemmRole, gemm_role, is_exchange
+from moepass.analysis.op_registry import GemmRole, gemm_role, is_exchange
 from moepass.ops.lowp.fp8_rowwise import decomp as fp8_rowwise_decomp
 from moepass.ops.lowp.fp8_rowwise import scaled_gemms
 from moepass.recipes import BLOCKWISE, FP8_ROWWISE, MXFP8

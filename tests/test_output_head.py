@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import moepass
-from moepass import module_paths
+from moepass.analysis import module_paths
 from moepass.passes.linear import find_linears
-from moepass.skips import SkipCode
+from moepass.report.skips import SkipCode
 
 VOCAB, DIM, HIDDEN = 256, 64, 128
 OPTIONS = {"inductor": False}

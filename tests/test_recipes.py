@@ -12,7 +12,7 @@ import moepass.passes
 from moepass.options import OPTIONS, Config
 from moepass.recipes import RECIPES, Recipe, cache_variant, decomposed_gemms, decompositions, settle
 from moepass.recipes.plan import GemmPlan, plan_gemm
-from moepass.skips import Reason, SkipCode
+from moepass.report.skips import Reason, SkipCode
 
 MOEPASS = pathlib.Path(moepass.__file__).parent
 _OPTION = {o.key: o for o in OPTIONS}

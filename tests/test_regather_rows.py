@@ -9,8 +9,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import moepass
 import moepass.ops.lowp  # noqa: F401  (registers the ops)
-from moepass import saved_for_backward
-from moepass.regather_rows import find_fp8_row_gathers, mark_fp8_row_gathers_recomputed
+from moepass.inductor_stage import saved_for_backward
+from moepass.inductor_stage.regather_rows import find_fp8_row_gathers, mark_fp8_row_gathers_recomputed
 from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 aten = torch.ops.aten

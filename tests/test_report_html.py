@@ -15,10 +15,10 @@ import torch
 from helpers import TINY
 
 import moepass
-from moepass.collapse import fold_gemms, fold_records, layer_key, pattern, ranges
-from moepass.coverage import BF16, LOW_PRECISION, GemmUse
+from moepass.report.collapse import fold_gemms, fold_records, layer_key, pattern, ranges
+from moepass.report.coverage import BF16, LOW_PRECISION, GemmUse
 from moepass.models import build_model
-from moepass.report import Skip
+from moepass.report.records import Skip
 
 PAGE_LIMIT = 200_000  # bytes
 SCREEN = (1280, 800)  # the first screen: a laptop browser window
@@ -127,7 +127,7 @@ def test_the_61_layer_page_renders_its_coverage_on_the_first_screen(request, tmp
 
 def _css_color(rule: str) -> tuple[int, int, int]:
     """The coverage box's background, or the share figure's color, as the page's CSS declares them."""
-    from moepass.report_files import _CSS
+    from moepass.report.files import _CSS
 
     found = re.search(r"\.coverage\{background:#(\w{6})" if rule == "coverage" else
                       r"\.share\{[^}]*color:#(\w{6})", _CSS)

@@ -14,7 +14,7 @@ from helpers import rank_pool  # noqa: F401  (a fixture)
 from torch import fx, nn
 
 import moepass
-from moepass.cache_key import CompiledGraphAudit
+from moepass.inductor_stage.cache_key import CompiledGraphAudit
 from moepass.options import DEFAULT_PASSES
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
@@ -175,15 +175,15 @@ def test_a_replayed_graph_keeps_where_it_was_compiled():
 
 
 def test_a_report_that_cannot_be_written_warns_and_the_model_still_compiles(tmp_path, monkeypatch, caplog):
-    import moepass.report_files
+    import moepass.report.files
 
     def full_disk(path, text):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(moepass.report_files, "_write", full_disk)
+    monkeypatch.setattr(moepass.report.files, "_write", full_disk)
     torch._dynamo.reset()
     model = TwoLinears()
-    with caplog.at_level(logging.WARNING, logger="moepass.collect"):
+    with caplog.at_level(logging.WARNING, logger="moepass.report.collect"):
         out = torch.compile(model, backend="moepass", options={**EAGER, "report_dir": str(tmp_path)})(X)
     assert out.shape == X.shape and torch.isfinite(out.float()).all()
     assert "could not write the report" in caplog.text and "No space left" in caplog.text
@@ -196,7 +196,7 @@ def test_a_failing_report_callback_does_not_fail_the_audit(caplog):
 
     audit = CompiledGraphAudit(on_compiled=breaks)
     graph = fx.symbolic_trace(lambda x: torch.ops.aten.mm.default(x, x)).graph
-    with caplog.at_level(logging.WARNING, logger="moepass.cache_key"):
+    with caplog.at_level(logging.WARNING, logger="moepass.inductor_stage.cache_key"):
         audit(graph)
     assert audit.sink == [{"kind": "forward", "ops": {"aten.mm": 1}}] and "disk gone" in caplog.text
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moepass import torch_logs
+from moepass.report import torch_logs
 from moepass.options import Config
 
 # the tiny debug model compiled once, Inductor off: the trace is of moepass's passes, not of Inductor's codegen

@@ -15,9 +15,10 @@ from torch import fx
 
 import moepass
 from moepass.analysis.torchao_converted import find_torchao_gemm_calls, torchao_conversion
-from moepass.graph import is_gemm, module_path
-from moepass.left_alone import explain
-from moepass.skips import SkipCode
+from moepass.analysis.graph import is_gemm
+from moepass.analysis.node_module import module_path
+from moepass.report.left_alone import explain
+from moepass.report.skips import SkipCode
 
 pytest.importorskip("torchao.prototype.moe_training")
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import moepass
-from moepass import coverage
+from moepass.report import coverage
 
 import deepseek_v3_reference
 import torchtune_moe

@@ -17,7 +17,7 @@ import operator
 import torch
 from torch import fx
 
-from moepass.graph import example_value, node_arg, static_int, tensor_meta, written_buffer
+from moepass.analysis.graph import example_value, node_arg, static_int, tensor_meta, written_buffer
 from .dtensors import is_local_view, local_value
 
 _MAX_STEPS = 64  # producers followed before giving up (chains of views and casts are short)

@@ -15,7 +15,7 @@ import operator
 import torch
 from torch import fx
 
-from moepass.graph import _ops, example_value, node_arg
+from moepass.analysis.graph import _ops, example_value, node_arg
 
 
 def _all_to_all_targets() -> set:

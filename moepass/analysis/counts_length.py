@@ -16,7 +16,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from moepass.graph import ancestors, graph_order, node_arg, static_int, tensor_meta
+from moepass.analysis.graph import ancestors, graph_order, node_arg, static_int, tensor_meta
 from .bounded_ids import ids_bound, op_short_name
 from .dtensors import local_value
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from moepass.graph import example_value
+from moepass.analysis.graph import example_value
 
 _LOCAL_VIEWS = {"to_local", "from_local"}  # a DTensor's local data and the DTensor built on local data
 _COMMUNICATING = {"redistribute", "full_tensor"}

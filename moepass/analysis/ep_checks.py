@@ -20,9 +20,9 @@ import math
 import torch
 from torch import fx
 
-from moepass.graph import ancestors, tensor_meta
-from moepass.skips import SkipCode
-from .ep_region import EPRegion, Mismatch, expert_counts_candidates, expert_output_candidates
+from moepass.analysis.graph import ancestors, tensor_meta
+from moepass.report.skips import SkipCode
+from .ep_parts import EPRegion, Mismatch, expert_counts_candidates, expert_output_candidates
 from .evaluate import NotEvaluable
 from .evaluate import evaluate as evaluate_at
 from .symbols import concrete, concrete_shape, size_expr

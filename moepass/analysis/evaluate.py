@@ -16,7 +16,7 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
-from moepass.graph import graph_order, tensor_meta, written_buffer
+from moepass.analysis.graph import graph_order, tensor_meta, written_buffer
 from .collectives import is_autograd_function, is_collective
 from .dtensors import communication, is_local_view
 from .symbols import bound_symint, concrete_shape

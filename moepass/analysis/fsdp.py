@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from moepass import module_paths
+from moepass.analysis import module_paths
 from moepass.analysis.scopes import graph_scopes
 
 

@@ -6,7 +6,7 @@ ends at an interior linear just the same. What does, any one of (checked in this
   - its output feeds the loss (cross_entropy, log_softmax, nll_loss) in the graph;
   - its weight is an embedding's (tied embeddings);
   - N is the vocabulary size: the rows of an embedding of its model (the live model, reached through the weight,
-    see moepass.module_paths; or an embedding lookup in the graph);
+    see moepass.analysis.module_paths; or an embedding lookup in the graph);
   - the model's forward returns its output: the graph is the model's own frame (its weights are read from the
     frame's local as from the top of the model), ended by its return, not by a graph break or a DDP split. Alone,
     this is the weakest sign, and the reason says so.
@@ -18,8 +18,8 @@ import dataclasses
 
 from torch import fx, nn
 
-from moepass.graph import tensor_meta
-from moepass.module_paths import WRAPPER_ATTRS, ModuleIndex
+from moepass.analysis.graph import tensor_meta
+from moepass.analysis.module_paths import WRAPPER_ATTRS, ModuleIndex
 
 from .gemms import Scopes, op_short_name, weight_source
 from .weight_parameter import WeightParameter

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 import moepass.ops.ep.dispatch_combine  # noqa: F401  (registers moepass::ep_dispatch, which it looks for)
-from moepass.graph import example_int, static_int, tensor_meta
+from moepass.analysis.graph import example_int, static_int, tensor_meta
 from .collectives import find_all_to_alls
 from .scopes import dataflow, graph_scopes
 

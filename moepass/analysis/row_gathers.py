@@ -9,7 +9,7 @@ import operator
 import torch
 from torch import fx
 
-from moepass.graph import tensor_meta
+from moepass.analysis.graph import tensor_meta
 
 _INDEX_SELECT = {torch.index_select, torch.ops.aten.index_select.default, "index_select"}
 

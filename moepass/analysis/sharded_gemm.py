@@ -13,9 +13,9 @@ import dataclasses
 
 from torch import fx
 
-from moepass.graph import tensor_meta
+from moepass.analysis.graph import tensor_meta
 from moepass.ops.lowp.sharding import local_size, single_dim_strategies
-from moepass.skips import Reason, SkipCode
+from moepass.report.skips import Reason, SkipCode
 
 from .dtensors import is_dtensor
 

@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch import fx
 
-from moepass.graph import example_value, tensor_meta
+from moepass.analysis.graph import example_value, tensor_meta
 
 from .dtensors import local_value
 

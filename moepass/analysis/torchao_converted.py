@@ -23,8 +23,9 @@ import torch
 from torch import fx
 
 from moepass.analysis.scopes import Scope, graph_scopes
-from moepass.graph import example_value, is_gemm, module_path
-from moepass.skips import Reason, SkipCode
+from moepass.analysis.graph import example_value, is_gemm
+from moepass.analysis.node_module import module_path
+from moepass.report.skips import Reason, SkipCode
 
 # torchao's GEMM autograd functions and wrappers by name (mx_mm, _MXFP8GroupedMM, matmul_with_hp_or_float8_args,
 # _Int8MixedPrecisionTrainingLinearFunction); its non-GEMM ones (permute, a2a_dispatch, casts) do not match

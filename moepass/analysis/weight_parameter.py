@@ -2,7 +2,7 @@
 
 During a backend call Dynamo's graph input carries the parameter itself and its source (`L['self']._modules['head']
 ._parameters['weight']`); afterwards (a finder called on a kept graph) it keeps neither, and the parameter is found
-again from its name and from where the graph's modules sit in the model (moepass.module_paths).
+again from its name and from where the graph's modules sit in the model (moepass.analysis.module_paths).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import re
 
 from torch import fx, nn
 
-from moepass.graph import normalize_module_path
-from moepass.module_paths import WRAPPER_ATTRS, ModuleIndex, current
+from moepass.analysis.module_paths import normalize_module_path
+from moepass.analysis.module_paths import WRAPPER_ATTRS, ModuleIndex, current
 
 from .gemms import MAYBE, Scopes, gemm_operands, weight_source
 

@@ -16,7 +16,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ..collect import collecting
+from ..report.collect import collecting
 from . import plot
 from .corpus import Batches, load_corpus
 from .flags import add_model_arguments, model_spec

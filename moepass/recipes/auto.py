@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from moepass.device_arch import probe
-from moepass.graph import example_int
+from moepass.analysis.graph import example_int
 
 from . import auto_table
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moepass.skips import Reason, SkipCode
+from moepass.report.skips import Reason, SkipCode
 
 # GEMM kind ("linear": y = x @ W.T; "grouped": MoE expert GEMMs x[M,K] @ w_t[E,K,N] per token group) -> its op family
 FAMILIES = {"linear": "linear", "grouped": "grouped_mm"}

@@ -10,9 +10,9 @@ import dataclasses
 
 import torch
 
-from moepass.graph import replace_node
+from moepass.analysis.graph import replace_node
 from moepass.options import OptionsError
-from moepass.skips import Reason, SkipCode
+from moepass.report.skips import Reason, SkipCode
 
 from . import RECIPES
 from .auto import choose_recipe

@@ -9,7 +9,7 @@
   every MoE layer runs the low-precision grouped GEMMs, although the report names only the first (the
   others replay its graph).
 - A selective-checkpoint policy written for BF16 (save `aten.mm` outputs) is asked about the GEMMs moepass rewrote
-  as the aten ops they replaced (moepass/sac_policy.py), so the outputs it saves are not recomputed.
+  as the aten ops they replaced (moepass/inductor_stage/sac_policy.py), so the outputs it saves are not recomputed.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_selective_checkpoint_policy_sees_the_gemms_it_was_written_for(monkeypat
     assert bf16["aten.mm.default"] == 15  # 7 linears in the dense block, 8 in the MoE block
     assert rewritten == bf16
     _, ran_saving_nothing = _gemms_a_policy_sees(moepass_compile, policy_saves_mm=False)  # as full AC
-    monkeypatch.setattr("moepass.sac_policy.show_policies_replaced_gemms", lambda gm: 0)
+    monkeypatch.setattr("moepass.inductor_stage.sac_policy.show_policies_replaced_gemms", lambda gm: 0)
     _, ran_untranslated = _gemms_a_policy_sees(moepass_compile)  # the policy saves only the BF16 router
     # emulated GEMMs run as aten::mm: fewest when the policy saves the rewritten linears, more when it saves only
     # the routers, most when it saves nothing

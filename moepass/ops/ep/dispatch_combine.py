@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from moepass.op_registry import register_exchange
+from moepass.analysis.op_registry import register_exchange
 
 from . import deepep, reference
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from moepass.op_registry import register_gemm, register_rows_form
+from moepass.analysis.op_registry import register_gemm, register_rows_form
 from moepass.recipes.base import Recipe
 
 from .formats import E4M3
@@ -71,7 +71,7 @@ def _check_quantized(op: str, rows: RowGemms, q: Tensor, scale: Tensor, like: Te
 
 def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemms) -> None:
     """Register moepass::<recipe>_quantize_rows and <recipe>_grouped_mm_rows (fake, autograd, GEMM role) and record
-    them as the rows form of <recipe>_grouped_mm (moepass.op_registry.rows_form)."""
+    them as the rows form of <recipe>_grouped_mm (moepass.analysis.op_registry.rows_form)."""
     settings = list(recipe.op_settings)
     quantize_name, name = recipe.op_name("quantize_rows"), recipe.op_name("grouped_mm_rows")
 

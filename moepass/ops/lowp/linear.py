@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from moepass.op_registry import register_gemm
+from moepass.analysis.op_registry import register_gemm
 from moepass.recipes.base import Recipe
 
 from .gemm_args import check_bf16
@@ -66,7 +66,7 @@ def check_wgrad(recipe: Recipe, gemms: RecipeGemms, grad_out: Tensor, x: Tensor,
 
 def define_linear_ops(recipe: Recipe, gemms: RecipeGemms) -> None:
     """Register moepass::<recipe>_linear, _linear_dgrad and _linear_wgrad with fakes, autograd, DTensor strategies,
-    and their roles in moepass.op_registry."""
+    and their roles in moepass.analysis.op_registry."""
     settings = list(recipe.op_settings)
 
     def gemm_args(args: tuple) -> tuple:  # the forward's (*settings, wgrad_bf16, kernel) -> (*settings, kernel)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import operator
-import re
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
@@ -19,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .module_paths import WRAPPER_ATTRS, resolve
 from .op_registry import gemm_role
 
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
@@ -78,54 +76,6 @@ def tensor_meta(node) -> torch.Tensor | None:
         return None
     v = example_value(node)
     return v if isinstance(v, torch.Tensor) else None
-
-
-_PATH_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
-_DICT_ACCESS = re.compile(r"(?:^|\.)__dict__\[['\"]_(?:modules|parameters|buffers)['\"]\]")
-# `moe.forward.__closure__[0].cell_contents.__self__`: a module reached through a method wrapped in a closure
-# (torchtitan's forward_with_redistribution) or bound as a default argument; its __self__ is that module
-_BOUND_METHOD = re.compile(r"\.[A-Za-z_]\w*(?:\.__closure__\.\d+\.cell_contents|\.__kwdefaults__\.\w+|"
-                           r"\.__defaults__\.\d+|\.__wrapped__)+\.__self__(?=\.|$)")
-
-
-def normalize_module_path(raw: str) -> str:
-    """`L['self'].layers[0].attention.wq` -> `layers.0.attention.wq` (the state_dict spelling).
-
-    Dynamo spells modules reached through a wrapper as `layers.0.__dict__['_modules']['_checkpoint_wrapped_module']`
-    and through a wrapped method as `moe.forward.__closure__[0].cell_contents.__self__`; both become the
-    module's own path, and wrapper attributes are dropped as the wrappers' state_dict does.
-    """
-    path = _PATH_PREFIX.sub("", raw)
-    path = _DICT_ACCESS.sub(".", path)
-    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    path = _BOUND_METHOD.sub("", "." + path.lstrip("."))
-    parts = [p for p in path.split(".") if p and p not in WRAPPER_ATTRS]
-    return ".".join(parts)
-
-
-def module_path(node: fx.Node) -> str:
-    """Module path of the innermost nn.Module that issued the node ('' at top level): its full state_dict
-    path when the live module is found (inside a backend call; see moepass.module_paths), else the path
-    Dynamo recorded, relative to the compiled frame. A GEMM issued at top level is named by its weight."""
-    stack = node.meta.get("nn_module_stack") or {}
-    path = ""
-    if stack:
-        key, (raw, _) = list(stack.items())[-1]
-        full = resolve(key)
-        path = full if full is not None else normalize_module_path(raw)
-    if not path and is_gemm(node):
-        from moepass.analysis.weight_parameter import module_by_weight  # (analysis imports this module)
-
-        path = module_by_weight(node)
-    return path
-
-
-def module_type(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    t = list(stack.values())[-1][1]
-    return getattr(t, "__qualname__", str(t))
 
 
 def matches_any(path: str, patterns: Iterable[str]) -> str | None:

@@ -11,6 +11,7 @@ modules and climbs its parents to the top module, giving the path a `state_dict`
 from __future__ import annotations
 
 import contextlib
+import re
 import contextvars
 import gc
 
@@ -127,3 +128,26 @@ def resolve(key: str) -> str | None:
 def lineage(key: str) -> list[nn.Module]:
     index = _current.get()
     return index.lineage(key) if index is not None else []
+
+
+_PATH_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_DICT_ACCESS = re.compile(r"(?:^|\.)__dict__\[['\"]_(?:modules|parameters|buffers)['\"]\]")
+# `moe.forward.__closure__[0].cell_contents.__self__`: a module reached through a method wrapped in a closure
+# (torchtitan's forward_with_redistribution) or bound as a default argument; its __self__ is that module
+_BOUND_METHOD = re.compile(r"\.[A-Za-z_]\w*(?:\.__closure__\.\d+\.cell_contents|\.__kwdefaults__\.\w+|"
+                           r"\.__defaults__\.\d+|\.__wrapped__)+\.__self__(?=\.|$)")
+
+
+def normalize_module_path(raw: str) -> str:
+    """`L['self'].layers[0].attention.wq` -> `layers.0.attention.wq` (the state_dict spelling).
+
+    Dynamo spells modules reached through a wrapper as `layers.0.__dict__['_modules']['_checkpoint_wrapped_module']`
+    and through a wrapped method as `moe.forward.__closure__[0].cell_contents.__self__`; both become the
+    module's own path, and wrapper attributes are dropped as the wrappers' state_dict does.
+    """
+    path = _PATH_PREFIX.sub("", raw)
+    path = _DICT_ACCESS.sub(".", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    path = _BOUND_METHOD.sub("", "." + path.lstrip("."))
+    parts = [p for p in path.split(".") if p and p not in WRAPPER_ATTRS]
+    return ".".join(parts)

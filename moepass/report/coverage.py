@@ -1,7 +1,7 @@
 """Every GEMM left in a rewritten graph, accounted for, and the share of GEMM work that runs in low precision.
 
 After the passes ran, each GEMM node of the graph and of its HOP bodies is exactly one of:
-    low_precision  a moepass GEMM op (moepass.op_registry), a GEMM already FP8 (torch._scaled_mm), or one a pass
+    low_precision  a moepass GEMM op (moepass.analysis.op_registry), a GEMM already FP8 (torch._scaled_mm), or one a pass
                    left to torchao, which the user converted it with (skip code TORCHAO_CONVERTED; also torchao's
                    opaque GEMM calls, which are no GEMM node)
     bf16           a torch GEMM a low-precision GEMM pass (linear, grouped_mm) left alone, with its skip code
@@ -25,9 +25,10 @@ from collections import Counter
 import torch
 from torch import fx
 
-from .analysis.gemms import MAYBE, Scopes, gemm_kind, gemm_operands, op_short_name, parameter_name, weight_source
-from .analysis.scopes import Scope
-from .graph import example_int, is_grouped_mm, module_path, op_name, tensor_meta
+from ..analysis.gemms import MAYBE, Scopes, gemm_kind, gemm_operands, op_short_name, parameter_name, weight_source
+from ..analysis.scopes import Scope
+from ..analysis.graph import example_int, is_grouped_mm, op_name, tensor_meta
+from ..analysis.node_module import module_path
 
 try:  # Dynamo wraps backend errors in BackendCompilerFailed unless they are ShortenTraceback
     from torch._dynamo.exc import ShortenTraceback as _PassThrough
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover
     _PassThrough = RuntimeError
 
 LOW_PRECISION, BF16, NOT_WEIGHT, UNACCOUNTED = "low_precision", "bf16", "not_weight", "unaccounted"
-# BF16 reasons that are not a pass's skip code (moepass.skips): why each is BF16, and what to do about it
+# BF16 reasons that are not a pass's skip code (moepass.report.skips): why each is BF16, and what to do about it
 WGRAD_BF16 = "WGRAD_BF16"
 PASS_OFF = "PASS_OFF"
 NOT_SKIP_CODES = {
@@ -85,7 +86,7 @@ class _Sizes:
 
     @functools.cached_property
     def _routed_rows(self):
-        from .analysis.routed_rows import RoutedRows
+        from ..analysis.routed_rows import RoutedRows
 
         return RoutedRows(self._gm)
 

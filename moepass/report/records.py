@@ -4,8 +4,8 @@ A `Report` collects one `GraphRecord` per graph the backend compiled, each tagge
 call it came from (torchtitan compiles every block, and the loss, in a call of its own). `to_dict()` is the
 stable schema of DESIGN.md (totals over the graphs); `index()` is one line per graph and the totals per pass;
 `save(dir)` writes both, each graph's own report and its code before and after each pass (report_files.py).
-Each graph also holds every GEMM left in it and what became of it (moepass.coverage): the coverage, per graph and
-in total, is in all of these, with identical layers folded into one line (moepass.collapse).
+Each graph also holds every GEMM left in it and what became of it (moepass.report.coverage): the coverage, per graph and
+in total, is in all of these, with identical layers folded into one line (moepass.report.collapse).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Skip:
     node: str
     module: str
     reason: str
-    code: SkipCode | None = None  # why and fix (moepass.left_alone.explain); not in to_dict's schema
+    code: SkipCode | None = None  # why and fix (moepass.report.left_alone.explain); not in to_dict's schema
 
     def to_dict(self) -> dict:
         return {"node": self.node, "module": self.module, "reason": self.reason}
@@ -94,7 +94,7 @@ class GraphRecord:
     origin: GraphOrigin = dataclasses.field(default_factory=GraphOrigin)
     compile_call: int = 0  # which of its report's torch.compile calls (numbered in the order first seen)
     weights_sharded: bool = False  # its GEMMs' weights are gathered by FSDP2 for the step (analysis.fsdp)
-    gemms: list[GemmUse] = dataclasses.field(default_factory=list)  # every GEMM left in it (moepass.coverage)
+    gemms: list[GemmUse] = dataclasses.field(default_factory=list)  # every GEMM left in it (moepass.report.coverage)
 
     @property
     def module(self) -> str:
@@ -190,7 +190,7 @@ class Report:
 
     def coverage(self) -> dict:
         """GEMMs found, low precision, BF16 by reason, unaccounted, and the low-precision share of FLOPs, over every
-        graph (moepass.coverage.coverage)."""
+        graph (moepass.report.coverage.coverage)."""
         return coverage.coverage([u for g in self.graphs for u in g.gemms],
                                  [g.index for g in self.graphs for _ in g.gemms])
 
@@ -309,12 +309,12 @@ class Report:
         """Write report.json (totals), index.json, report.html and each graph's own report (graphs/<i>/) and
         code (graph_<i>_<stage>.py); return the HTML path. `changed`: only these graphs' files are rewritten
         where this report saved every graph before (the totals always are)."""
-        from .report_files import save
+        from .files import save
 
         return save(self, directory, changed)
 
     def to_html(self) -> str:
-        from .report_files import report_page
+        from .files import report_page
 
         return report_page(self)
 

@@ -81,7 +81,7 @@ def gemm_outcome(use: GemmUse) -> str:
 def _owner_and_name(use: GemmUse) -> tuple[str, str]:
     """A linear is named by its module (`layers.0.attn.wq`), a weight of a module by its own name (`experts.w1`),
     a GEMM on no weight by its op."""
-    named_by_weight = use.module == use.weight or use.module.endswith("." + use.weight)  # (graph.module_path)
+    named_by_weight = use.module == use.weight or use.module.endswith("." + use.weight)  # (node_module.module_path)
     if use.module and (use.weight == "weight" or named_by_weight):
         owner, _, name = use.module.rpartition(".")
         return owner, name

@@ -18,8 +18,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .analysis.row_gathers import gathered_from
-from .graph import tensor_meta
+from ..analysis.row_gathers import gathered_from
+from ..analysis.graph import tensor_meta
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 

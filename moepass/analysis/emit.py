@@ -8,7 +8,7 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
-from moepass.graph import example_value
+from moepass.analysis.graph import example_value
 
 log = logging.getLogger(__name__)
 

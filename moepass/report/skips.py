@@ -2,7 +2,7 @@
 
 A pass records a skip as a `Reason`: its code and the text the report shows (which names the node's own values:
 "K=48 not a multiple of 32"). `phrase` is a substring of every text recorded under the code (the tests check it),
-so the README's table (moepass.left_alone) reads as "reason contains". The order here is the table's.
+so the README's table (moepass.report.left_alone) reads as "reason contains". The order here is the table's.
 """
 
 from __future__ import annotations

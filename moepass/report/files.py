@@ -170,7 +170,7 @@ def _coverage_html(cov: dict) -> str:
 
 
 def _why(code: str) -> str:
-    """What a BF16 reason means and what to do: a skip code's why and fix (moepass.skips), or coverage's own."""
+    """What a BF16 reason means and what to do: a skip code's why and fix (moepass.report.skips), or coverage's own."""
     found = SkipCode.__members__.get(code)
     why, fix = (found.why, found.fix) if found is not None else NOT_SKIP_CODES.get(code, ("", "-"))
     return (f" &mdash; {_code_spans(why)}" if why else "") + (f" (fix: {_code_spans(fix)})" if fix != "-" else "")

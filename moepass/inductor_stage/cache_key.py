@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import recipes
+from .. import recipes
 
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from .graph import matches_any
-from .options import Config
-from .skips import Reason, SkipCode
+from ..options import Config
+from ..report.skips import Reason, SkipCode
 
 
 def module_filter_problem(path: str, config: Config) -> Reason | None:

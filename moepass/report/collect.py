@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from torch._dynamo.utils import counters
 
-from .report import GraphOrigin, GraphRecord, Report
+from .records import GraphOrigin, GraphRecord, Report
 
 log = logging.getLogger(__name__)
 
