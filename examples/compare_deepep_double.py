@@ -1,4 +1,4 @@
-"""Real DeepEP against the deep_ep double moepass's CI runs on (tests/doubles/deep_ep), output for output.
+"""Real DeepEP against the deep_ep double moepass's CI runs on (tests/fixtures/doubles/deep_ep), output for output.
 
     torchrun --nproc-per-node 2 examples/compare_deepep_double.py --out examples/results/deepep_double_2xH200
 
@@ -10,7 +10,7 @@ combines (DeepEP rewrites them in place). Rows, ids, counts and handles must be 
 within fp32 rounding where a token's sum has more than two terms (the detail says which). Across nodes DeepEP numbers
 send_nvl_head in arrival order, so there only its -1 pattern is compared. Rank 0 prints a table and writes
 <out>/compare.json (GPU, torch, deep_ep, commit, command, every row). --impl-a / --impl-b: "deep_ep" (installed) or
-"double"; --device cpu runs on gloo (double against double: what tests/test_deepep_double.py does).
+"double"; --device cpu runs on gloo (double against double: what tests/integration/test_deepep_double.py does).
 """
 
 from __future__ import annotations

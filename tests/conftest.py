@@ -13,8 +13,12 @@ os.environ.setdefault("MOEPASS_STRICT_GEMMS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))  # `from helpers import ...` from tests/ and its subfolders, in any import mode
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "independent"))  # models written apart from models/
+# tests/ holds the tests by tier (unit, integration, gpu, sweep) and what they share (fixtures/): `from helpers import`,
+# `import realstack`, `from doubles import` from any tier, in any import mode; fixtures/independent: models written
+# apart from models/, imported by module name
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+sys.path.insert(0, FIXTURES)
+sys.path.insert(0, os.path.join(FIXTURES, "independent"))
 
 
 def capture_dynamo_graphs(fn, *args, **kwargs) -> list[torch.fx.GraphModule]:

@@ -7,7 +7,7 @@ step took ~5x BF16's (360-377 ms against 68-77 ms), which priced MXFP8's numeric
 Decomposed by AOTAutograd, each op becomes the code its own body runs (mxfp8.py: dequantized_rows around torch.mm;
 torchao's emulated grouped path around torch._grouped_mm, our token-group padding included), and Inductor fuses
 each operand's quantize-dequantize into one kernel (into its producer where it can). Same code eager and compiled,
-so the same bits (tests/test_mxfp8_ops_gpu.py checks the backend against the eager ops).
+so the same bits (tests/gpu/test_mxfp8_ops_gpu.py checks the backend against the eager ops).
 
 Only on CUDA tensors: on CPU (the test suite's device) the decomposition declines and the op stays one opaque call,
 since Inductor's C++ for the fused quantization costs more compile time than the eager op costs at CPU sizes. The
