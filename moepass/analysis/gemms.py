@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from moepass.analysis.graph import example_value, is_grouped_mm, is_linear, is_matmul, tensor_meta
-from moepass.analysis.op_registry import gemm_role
+from moepass.analysis.op_registry import gemm_role, is_rows_form
 
 from .scopes import Scope, graph_scopes, hop_name, operand_index
 
@@ -59,6 +59,8 @@ def gemm_kind(node: fx.Node) -> str | None:
         role = gemm_role(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
         if role is not None:
             return "moepass" if role.gemm == "forward" else None
+        if isinstance(node.target, torch._ops.OpOverload) and is_rows_form(node.target):
+            return "moepass"  # quantize_once's grouped forward on rows quantized before their gather or dispatch
         if node.target in _SCALED:
             return "scaled"
         if node.target in _SDPA:

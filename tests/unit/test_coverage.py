@@ -63,6 +63,17 @@ def test_every_gemm_of_the_debug_model_is_rewritten_or_has_its_reason():
     assert 0.5 < cov["low_precision_flop_share"] < 1  # the BF16 head is a large GEMM at this vocabulary
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_rowwise"])
+def test_expert_gemms_on_rows_quantized_once_are_counted_under_every_recipe(recipe):
+    """quantize_once turns fp8_rowwise's expert GEMMs into their rows form (x quantized before its gather): those ops
+    are low-precision GEMMs of the census like any other moepass GEMM (blockwise's 128 block leaves the tiny model's
+    experts BF16: no rows form here)."""
+    _, report = _debug_report({"recipe": recipe})
+    cov = report.coverage()
+    assert (cov["gemms"], cov["low_precision"], cov["unaccounted"]) == (19, 17, 0)
+    assert [u["weight"] for u in _uses(report) if u["module"] == "layers.1.moe.experts"] == ["w1", "w3", "w2"]
+
+
 class Attention(nn.Module):
     """Projections inside an activation-checkpointed body, with attention scores `q @ k.T` between them."""
 
