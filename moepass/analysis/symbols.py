@@ -60,11 +60,14 @@ def example_sizes(node: fx.Node) -> dict[sympy.Symbol, int]:
     shape_env = _shape_env(node)
     if shape_env is None:
         return {}
-    # torch 2.13 renamed var_to_val (kept as a deprecated alias); 2.11 has only var_to_val
+    return {s: int(v) for s, v in backed_values(shape_env).items()}
+
+
+def backed_values(shape_env) -> dict:
+    """The shape environment's backed symbol -> hint table, without the deprecation warning of torch 2.13 (which
+    renamed var_to_val, keeping the old name as a warning alias; 2.11 has only var_to_val)."""
     values = getattr(shape_env, "backed_var_to_val", None)
-    if values is None:
-        values = shape_env.var_to_val
-    return {s: int(v) for s, v in values.items()}
+    return shape_env.var_to_val if values is None else values
 
 
 def concrete(expr: sympy.Expr, bindings: dict) -> int:

@@ -27,6 +27,7 @@ from torch import fx
 
 from ..analysis.gemms import MAYBE, Scopes, gemm_kind, gemm_operands, op_short_name, parameter_name, weight_source
 from ..analysis.scopes import Scope
+from ..analysis.symbols import backed_values
 from ..analysis.graph import example_int, is_grouped_mm, op_name, tensor_meta
 from ..analysis.node_module import module_path
 
@@ -108,7 +109,8 @@ class _Sizes:
         self.estimated = True
         expr, env = size.node.expr, size.node.shape_env
         fallback = self.fallback(node)
-        return int(expr.xreplace({s: env.var_to_val.get(s, fallback) for s in expr.free_symbols}))
+        hints = backed_values(env)
+        return int(expr.xreplace({s: hints.get(s, fallback) for s in expr.free_symbols}))
 
     def shape(self, t: torch.Tensor, node: fx.Node) -> list[int]:
         return [self.of(s, node) for s in t.shape]
