@@ -14,10 +14,11 @@ import torch
 from torch import fx
 
 from .report import collect
-from . import dynamo_flags, recipes
+from . import dynamo_flags
 from .inductor_stage.cache_key import CompiledGraphAudit
 from .options import Config
 from .pipeline import inductor_stage, run_pipeline
+from .recipes import registry
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,10 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     from torch._inductor.compile_fx import compile_fx
 
     # the recipes' "auto" decomposition options decided for this graph (weights sharded by FSDP2 or not)
-    settled = recipes.settle(config, record.weights_sharded)
+    settled = registry.settle(config, record.weights_sharded)
     # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid; each
     # compiled graph (the forward now, the backward at the first backward) saves the report again
-    audit = CompiledGraphAudit(record.compiled, variant=recipes.cache_variant(settled),
+    audit = CompiledGraphAudit(record.compiled, variant=registry.cache_variant(settled),
                                on_compiled=lambda: collect.save_graph(report, held))
     # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
     patches = {**inductor_patches(config), **inductor_stage(audit)}
@@ -70,7 +71,7 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
 
     # the recipes' decompositions over Inductor's table (FP8-rowwise "scaled_mm" ops become plain torch here, so
     # Inductor fuses their quantization)
-    decompositions = {**select_decomp_table(), **recipes.decompositions(settled)}
+    decompositions = {**select_decomp_table(), **registry.decompositions(settled)}
     compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
     return collect.reporting_runs(compiled, record)
 

@@ -39,10 +39,11 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .report import collect
-from . import dynamo_flags, recipes
+from . import dynamo_flags
 from .inductor_stage.cache_key import CompiledGraphAudit, source_hash
 from .options import Config, OptionsError
 from .pipeline import inductor_stage, run_pipeline
+from .recipes import registry
 from .report.records import GraphRecord
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class RouteAudit(CustomGraphPass):
 def _settled(config: Config) -> Config:
     """The recipes' "auto" options decided once for the process: the table is installed before any graph is seen,
     so as if the weights were sharded by FSDP2 (torchtitan's default; a saved FP8 weight copy would undo it)."""
-    return recipes.settle(config, weights_sharded=True)
+    return registry.settle(config, weights_sharded=True)
 
 
 class _Installation:
@@ -142,7 +143,7 @@ class _Installation:
         self.config = config
         self.pre_grad = MoepassPreGradPass(config)
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
-                         **inductor_stage(RouteAudit(self.pre_grad, recipes.cache_variant(_settled(config))))}
+                         **inductor_stage(RouteAudit(self.pre_grad, registry.cache_variant(_settled(config))))}
         self.decompositions: dict = {}
         self.replaced: dict[tuple[Any, str], Any] = {}  # (config module, name) -> value before install
 
@@ -192,7 +193,7 @@ def install(options: dict | None = None) -> Config:
         state.set(inductor_config, "pre_grad_pass_timing", "early")
     dynamo_flags.install()  # the EP flags for Inductor's frames while installed() (it asks), not process-wide
     # the backend passes these as compile_fx(decompositions=); under backend="inductor" the default table is read
-    state.decompositions = recipes.decompositions(_settled(config))
+    state.decompositions = registry.decompositions(_settled(config))
     inductor_table.update(state.decompositions)
     _forget_cached_table()
     global _installed

@@ -1,13 +1,14 @@
-"""The backend's options: declared once here, validated into a frozen Config.
+"""The backend's options: declared as typed sections, validated into a frozen Config.
 
 `torch.compile(model, backend="moepass", options={...})` passes a flat dict. Keys are either
 global (`passes`, `inductor`) or namespaced by the part that reads them (`lowp.exclude`: both
-low-precision GEMM passes; `mxfp8.scale_rounding`: one recipe; `inductor.mode`). Every key has a type,
-a default and a one-line help; the README's options table and `moepass options` are printed from this
-table, so they cannot drift.
+low-precision GEMM passes; `mxfp8.scale_rounding`: one recipe; `inductor.mode`). Each part declares its keys as
+a frozen dataclass (option_types: the field's type lists its values, `option()` its default and one-line help):
+the sections here, and each registered recipe's Options (moepass.recipes.registry). The README's options table and
+`moepass options` are printed from the table they make, so they cannot drift.
 
-Renamed passes and keys keep their old names as aliases (PASS_ALIASES, Option.aliases): an old name means
-exactly the new one, and the Config holds only the new names.
+Renamed passes and keys keep their old names (PASS_ALIASES, Option.aliases): an old name means exactly the new one,
+with a DeprecationWarning naming the new one; the Config holds only the new names, and the table lists only those.
 
 When torch.compile passes no options (none, or an empty dict: torch drops those), the environment
 variable MOEPASS_OPTIONS, a JSON object of the same keys, is used instead: for stacks that compile with
@@ -19,27 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
 import reprlib
 import tempfile
-from collections.abc import Callable, Mapping
-from typing import Any
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
 
-try:  # Dynamo wraps backend errors in BackendCompilerFailed unless they are ShortenTraceback.
-    from torch._dynamo.exc import ShortenTraceback as _PassThrough
-except ImportError:  # pragma: no cover - older torch: the ValueError arrives wrapped
-    _PassThrough = Exception
-
-
-class OptionsError(ValueError, _PassThrough):
-    """A bad `options` key or value. Reaches the caller of torch.compile as a ValueError."""
-
-    def __init__(self, message: str):
-        Exception.__init__(self, message)
-        self.first_useful_frame = None  # read by Dynamo's ShortenTraceback handling
-
+from .option_types import Option, OptionsError, option, read, section_options
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +41,7 @@ PIPELINE = ("deepep", "weights_before_gemm", "grouped_mm", "quantize_once", "lin
 """All passes, in the order they run. `options["passes"]` picks a subset; order stays this one."""
 
 DEFAULT_PASSES = PIPELINE
-"""The passes run by default: all of them. quantize_once joined after its H200 A/B at 671B dims, 5 layers (the same
-step time, 6.2 GiB less at the peak; numerics over seeds within the nudged spread: examples/results/README.md)."""
+"""The passes run by default: all of them."""
 
 PASS_NEEDS = {"quantize_once": ("grouped_mm",)}
 """Passes that rewrite another pass's ops, and that pass: a benchmark variant of one runs both."""
@@ -63,17 +53,6 @@ PASS_ALIASES = {"mxfp8_grouped_mm": "grouped_mm", "mxfp8_linear": "linear"}
 def canonical_pass(name: str) -> str:
     """A pass name or alias -> the pass's name (anything else unchanged, for the caller to reject)."""
     return PASS_ALIASES.get(name, name)
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    key: str
-    default: Any
-    help: str
-    choices: tuple | None = None
-    check: Callable[[Any], bool] | None = None
-    expects: str = ""
-    aliases: tuple[str, ...] = ()  # old keys that mean this one
 
 
 def _is_patterns(v: Any) -> bool:
@@ -95,102 +74,127 @@ MOEPASS_INDUCTOR_PATCHES = ("post_grad_custom_post_pass", "joint_custom_pre_pass
 """Inductor config entries backend.py sets itself (compiled-graph audit, EP exchanges saved for backward)."""
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("passes", DEFAULT_PASSES, "passes to run, by name (they always run in pipeline order: "
-           f"{', '.join(PIPELINE)}); old names "
-           + ", ".join(f"{old} = {new}" for old, new in PASS_ALIASES.items()),
-           check=_is_pass_list, expects=f"a list drawn from {list(PIPELINE)} (or old names {list(PASS_ALIASES)})"),
-    Option("inductor", True, "compile the rewritten graph with Inductor (False: run it eagerly, for debugging)",
-           choices=(True, False)),
-    Option("inductor.mode", None, "Inductor mode, as torch.compile's mode= takes it; set it here to use a mode "
-           "together with options (torch.compile refuses both); None: torch.compile's mode=, if any",
-           choices=(None, *INDUCTOR_MODES)),
-    Option("inductor.options", {}, "Inductor config patches {name: value}, names from torch._inductor.config "
-           "(e.g. 'max_autotune', 'triton.cudagraphs'); applied after inductor.mode's",
-           check=lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
-           expects="a dict of torch._inductor.config names to values, e.g. {'max_autotune': True}"),
-    Option("report_dir", None, "write the run's report here (json, code, html; an index with totals per pass and a "
-           "report per graph), updated as each graph compiles; under torch.distributed each rank in rank<r>/",
-           check=_is_dir_path, expects="a directory path or None"),
-    # the recipes: moepass.recipes (one object each); auto on Hopper reads a measured table (recipes/auto_table: per
-    # GEMM and token count), and a size rule (recipes.auto.FP8_ROWWISE_MIN) for shapes it does not hold
-    Option("recipe", "auto", "low-precision recipe of the grouped_mm and linear passes: auto = mxfp8 on "
-           "sm_100+ and CPU (emulated), fp8_rowwise on sm_89/90 where it measured faster than BF16, else BF16; "
-           "or force mxfp8 / fp8_rowwise / blockwise (DeepSeek-V3's 1x128 / 128x128 FP8; opt-in, auto never picks it)",
-           choices=("auto", "mxfp8", "fp8_rowwise", "blockwise")),
-    Option("fp8_rowwise.kernel", "auto", "FP8-rowwise kernels: auto picks torch._scaled_mm/_scaled_grouped_mm "
-           "on sm_89/90 (grouped: sm_90), emulated elsewhere", choices=("auto", "emulated", "scaled_mm")),
-    Option("fp8_rowwise.wgrad_bf16", "auto", "keep the weight-gradient GEMM in BF16 under the fp8_rowwise recipe; "
-           "auto = per GEMM kind as measured on Hopper (FP8 for linears and, since quantize_once, grouped "
-           "expert GEMMs)",
-           choices=("auto", True, False)),
-    # The three below take the FP8-rowwise quantizations out of Inductor's graph (one op writes both layouts an
-    # operand's two GEMMs read): cold compile at 671B dims, 5 layers, one H200 from 3.3x Inductor's to 1.33x, the
-    # step 1.14x Inductor's as before (examples/results/README.md, compile time). "auto" turns the weights' ones
-    # off under FSDP2: the saved FP8 copy of each gathered weight would outlive FSDP's reshard until the backward.
-    Option("fp8_rowwise.expert_weights_once", "auto", "quantize each expert weight once per step into both FP8 "
-           "layouts (one Triton pass; the dgrad's is saved for the backward: 1 byte per expert weight element); "
-           "auto = on unless the weights are sharded by FSDP2 (fully_shard), whose reshard the saved copy would undo",
-           choices=("auto", True, False)),
-    Option("fp8_rowwise.linear_both_layouts", "auto", "quantize a linear's gradient (grads) and input (inputs) "
-           "once into both FP8 layouts its two GEMMs read (per token and per channel; two reads by moepass's Triton "
-           "kernels, the input's per-channel half saved for the wgrad in FP8) instead of twice, each fused into "
-           "its producer by Inductor; needs the FP8 wgrad; auto = grads_and_inputs when the linears' wgrad is FP8",
-           choices=("auto", "none", "grads", "grads_and_inputs")),
-    Option("fp8_rowwise.linear_weights_once", "auto", "quantize each linear weight once per step into both FP8 "
-           "layouts its forward and dgrad read (moepass's Triton kernels, two reads; the dgrad's half saved for the "
-           "backward: 1 byte per weight element) instead of twice by Inductor; auto = on unless the weights are "
-           "sharded by FSDP2", choices=("auto", True, False)),
-    Option("mxfp8.scale_rounding", "rceil", "E8M0 scale rounding of the MXFP8 recipe",
-           choices=("rceil", "floor")),
-    Option("mxfp8.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 (dgrad and forward stay MXFP8)",
-           choices=(True, False)),
-    Option("mxfp8.kernel", "auto", "MXFP8 kernels: auto picks native on sm_100, emulated elsewhere",
-           choices=("auto", "emulated", "sm100")),
-    Option("blockwise.kernel", "auto", "blockwise FP8 kernels: auto = on sm_90 torch._scaled_mm for linears and, "
-           "one per token group, for grouped GEMMs (measured faster than the Triton kernels); where it does not run, "
-           "moepass's Triton grouped kernels (one launch per GEMM; self-checked once); emulated on CPU; other GPUs "
-           "keep BF16. emulated: the reference numerics anywhere; triton: grouped GEMMs on those kernels (linears on "
-           "scaled_mm); deepgemm: grouped GEMMs on DeepGEMM through torchao's blockwise grouped op, on request only "
-           "(when deep_gemm is installed and passes a one-time self-check; measured mostly slower than BF16 op by op, "
-           "and failing in a 671B-dims step); scaled_mm: grouped GEMMs one torch._scaled_mm per token group",
-           choices=("auto", "emulated", "scaled_mm", "triton", "deepgemm")),
-    Option("blockwise.wgrad_bf16", False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward "
-           "and dgrad stay FP8)", choices=(True, False)),
-    Option("quantize_once.saved_rows", "auto", "what the quantize_once pass keeps of the experts' input rows for "
-           "the weight gradient: fp8 = the FP8 rows and their scales (half the bytes of BF16 rows; the wgrad reads "
-           "them dequantized, so a BF16 wgrad sees the quantized rows, and blockwise's FP8 wgrad runs in BF16 on "
-           "them); bf16 = the BF16 rows, as without the pass (the wgrad then bit-equal to grouped_mm's); auto = fp8 "
-           "unless that would turn the recipe's FP8 wgrad into BF16 (blockwise)", choices=("auto", "fp8", "bf16")),
-    Option("lowp.include", ("*",), "module-path glob patterns the low-precision GEMM passes rewrite (fnmatch, "
-           "e.g. 'layers.*.moe.*')", check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.include",)),
-    Option("lowp.exclude", (), "module-path glob patterns never rewritten (wins over include)",
-           check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.exclude",)),
-    Option("lowp.keep_router_bf16", True, "leave the MoE router gate (linear feeding top-k) in BF16",
-           choices=(True, False), aliases=("mxfp8.keep_router_bf16",)),
-    Option("lowp.keep_output_head_bf16", True, "leave the output head (vocabulary projection) in BF16",
-           choices=(True, False), aliases=("mxfp8.keep_output_head_bf16",)),
-    Option("lowp.take_over_torchao", False, "rewrite GEMMs whose weight torchao converted to a tensor subclass "
-           "(quantize_ with a MoE-training config) with moepass's recipe instead of leaving them to torchao; the "
-           "report says which torchao config it overrode. Opaque torchao calls (Float8Linear, MXFP8Linear) stay "
-           "torchao's", choices=(True, False)),
-    Option("deepep.backend", "auto", "EP dispatch/combine implementation: auto picks DeepEP where it runs",
-           choices=("auto", "deepep", "reference")),
-)
+InductorMode = Literal[(None, *INDUCTOR_MODES)]
 
-_BY_KEY = {o.key: o for o in OPTIONS}
-OPTION_ALIASES = {alias: o.key for o in OPTIONS for alias in o.aliases}
-"""Old option keys -> the key they name."""
+
+@dataclasses.dataclass(frozen=True)
+class Core:
+    """The options without a prefix."""
+
+    passes: tuple[str, ...] = option(
+        DEFAULT_PASSES, f"passes to run, by name; they run in pipeline order ({', '.join(PIPELINE)})",
+        check=_is_pass_list, expects=f"a list drawn from {list(PIPELINE)} (or old names {list(PASS_ALIASES)})")
+    inductor: bool = option(True, "compile the rewritten graph with Inductor (False: run it eagerly, for debugging)")
+    report_dir: str | None = option(
+        None, "write the run's report here (json, code, html) as each graph compiles; each rank in rank<r>/",
+        check=_is_dir_path, expects="a directory path or None")
+    # its choices are "auto" and the registered recipes' names (options_table)
+    recipe: str = option("auto", "low-precision recipe of the linear and grouped_mm passes; auto picks per GEMM and "
+                         "device")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inductor:
+    mode: InductorMode = option(
+        None, "Inductor mode as torch.compile's mode= takes it, to give with options (None: torch.compile's mode=)")
+    options: Mapping[str, Any] = option(
+        {}, "Inductor config patches {name: value} from torch._inductor.config, applied after inductor.mode's",
+        check=lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+        expects="a dict of torch._inductor.config names to values, e.g. {'max_autotune': True}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowp:
+    """What both low-precision GEMM passes (linear, grouped_mm) rewrite."""
+
+    include: tuple[str, ...] = option(
+        ("*",), "module-path glob patterns the low-precision GEMM passes rewrite (fnmatch, e.g. 'layers.*.moe.*')",
+        check=_is_patterns, expects="a list of glob strings", aliases=("mxfp8.include",))
+    exclude: tuple[str, ...] = option(
+        (), "module-path glob patterns never rewritten (wins over include)", check=_is_patterns,
+        expects="a list of glob strings", aliases=("mxfp8.exclude",))
+    keep_router_bf16: bool = option(True, "leave the MoE router gate (linear feeding top-k) in BF16",
+                                    aliases=("mxfp8.keep_router_bf16",))
+    keep_output_head_bf16: bool = option(True, "leave the output head (vocabulary projection) in BF16",
+                                         aliases=("mxfp8.keep_output_head_bf16",))
+    take_over_torchao: bool = option(
+        False, "rewrite GEMMs whose weights torchao converted (quantize_) with moepass's recipe instead of torchao's")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeOnce:
+    saved_rows: Literal["auto", "fp8", "bf16"] = option(
+        "auto", "rows quantize_once keeps for the experts' wgrad; auto: fp8 unless that turns an FP8 wgrad into BF16")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepEP:
+    backend: Literal["auto", "deepep", "reference"] = option(
+        "auto", "EP dispatch/combine implementation: auto picks DeepEP where it runs")
+
+
+SECTIONS: dict[str, type] = {"": Core, "inductor": Inductor, "lowp": Lowp, "quantize_once": QuantizeOnce,
+                             "deepep": DeepEP}
+"""moepass's own option sections by prefix; each registered recipe adds its Options under its name."""
+
+
+def options_table() -> tuple[Option, ...]:
+    """Every option, as `moepass options` lists them: moepass's own sections, then each registered recipe's."""
+    from moepass.recipes.registry import RECIPES  # here, not at import: importing it registers every recipe's ops
+
+    return _table(tuple(RECIPES.values()))
+
+
+@functools.lru_cache(maxsize=8)
+def _table(recipes: tuple) -> tuple[Option, ...]:
+    own = [o for prefix, section in SECTIONS.items() for o in section_options(section, prefix)]
+    own = [dataclasses.replace(o, choices=("auto", *(r.name for r in recipes))) if o.key == "recipe" else o
+           for o in own]
+    return (*own, *(o for recipe in recipes for o in recipe.options))
+
+
+def option_aliases() -> dict[str, str]:
+    """Old option keys -> the key they name."""
+    return {alias: o.key for o in options_table() for alias in o.aliases}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OPTIONS":  # the table as the registry stands now (a recipe registered later joins it)
+        return options_table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _deprecated(what: str, old: str, new: str, stacklevel: int) -> None:
+    """stacklevel: frames from here up to the caller of Config's public method that met the old name."""
+    warnings.warn(f"moepass: {what} {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Validated options. Read values with `config["lowp.exclude"]` (an old key reads its new one)."""
+    """Validated options. Read values with `config["lowp.exclude"]` (an old key reads its new one, with a warning),
+    a prefix's options typed with `config.section("lowp")`."""
 
     values: Mapping[str, Any]
 
     def __getitem__(self, key: str) -> Any:
-        return self.values[OPTION_ALIASES.get(key, key)]
+        if key in self.values:
+            return self.values[key]
+        new = option_aliases().get(key)
+        if new is None:
+            raise KeyError(key)
+        _deprecated("option", key, new, stacklevel=2)
+        return self.values[new]
+
+    def section(self, prefix: str):
+        """The options under `prefix` ("" for the unprefixed ones, "lowp", "inductor", ..., a recipe's name) as
+        their frozen dataclass."""
+        from moepass.recipes.registry import RECIPES
+
+        if prefix in SECTIONS:
+            return read(SECTIONS[prefix], self.values, prefix)
+        if prefix in RECIPES:
+            return RECIPES[prefix].read(self.values)
+        raise KeyError(f"no options under {prefix!r}; prefixes: {sorted(SECTIONS)} and recipes {sorted(RECIPES)}")
 
     def enabled(self, pass_name: str) -> bool:
         return canonical_pass(pass_name) in self.values["passes"]
@@ -226,19 +230,23 @@ class Config:
     def _validated(cls, options: Any, mode: str | None) -> "Config":
         if options is None:
             options = {}
+        from moepass.recipes.registry import RECIPES
+
+        table = options_table()
+        by_key, aliases = {o.key: o for o in table}, option_aliases()
         if not isinstance(options, Mapping):
             raise OptionsError(f"moepass: options must be a dict of option names to values, not "
-                               f"{type(options).__name__} {reprlib.repr(options)}. Valid options: {sorted(_BY_KEY)}")
-        unknown = sorted(set(options) - set(_BY_KEY) - set(OPTION_ALIASES), key=str)
+                               f"{type(options).__name__} {reprlib.repr(options)}. Valid options: {sorted(by_key)}")
+        unknown = sorted(set(options) - set(by_key) - set(aliases), key=str)
         if unknown:
-            near = [m for u in unknown if isinstance(u, str) for m in difflib.get_close_matches(u, _BY_KEY, n=1)]
+            near = [m for u in unknown if isinstance(u, str) for m in difflib.get_close_matches(u, by_key, n=1)]
             raise OptionsError(
                 f"moepass: unknown option(s) {unknown}{f' (did you mean {near}?)' if near else ''}. "
-                f"Valid options: {sorted(_BY_KEY)}"
+                f"Valid options: {sorted(by_key)}"
             )
-        options = _new_keys(options)
+        options = _new_keys(options, aliases)
         values = {}
-        for opt in OPTIONS:
+        for opt in table:
             value = options.get(opt.key, opt.default)
             if opt.choices is not None and not any(value is c or value == c for c in opt.choices
                                                    if type(value) is type(c)):
@@ -248,27 +256,29 @@ class Config:
             if opt.check is not None and not opt.check(value):
                 raise OptionsError(f"moepass: option {opt.key!r}={value!r} is not valid; expected {opt.expects}")
             values[opt.key] = _frozen(value)
+        for old in (p for p in values["passes"] if p in PASS_ALIASES):
+            _deprecated("pass name", old, PASS_ALIASES[old], stacklevel=3)
         values["passes"] = tuple(dict.fromkeys(canonical_pass(p) for p in values["passes"]))
         values["inductor.mode"] = _effective_mode(values["inductor.mode"], mode)
         _check_inductor_patches(values["inductor.options"])
-        if values["fp8_rowwise.linear_both_layouts"] not in ("none", "auto") and values["fp8_rowwise.wgrad_bf16"] is True:
-            raise OptionsError("moepass: option 'fp8_rowwise.linear_both_layouts'="
-                               f"{values['fp8_rowwise.linear_both_layouts']!r} quantizes for the FP8 wgrad, which "
-                               "'fp8_rowwise.wgrad_bf16'=True turns off; set one of them back to its default")
+        for recipe in RECIPES.values():  # combinations of its options a recipe refuses
+            recipe.check_options(recipe.read(values))
         if values["report_dir"] is not None:
             _check_report_dir(values["report_dir"])
         return cls(values)
 
 
-def _new_keys(options: Mapping[str, Any]) -> dict[str, Any]:
+def _new_keys(options: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
     """Old keys renamed to their new ones; an old and a new key for the same option together are an error."""
     renamed = {}
     for key, value in options.items():
-        new = OPTION_ALIASES.get(key, key)
+        new = aliases.get(key, key)
         if new in renamed:
-            given = sorted(k for k in options if OPTION_ALIASES.get(k, k) == new)
+            given = sorted(k for k in options if aliases.get(k, k) == new)
             raise OptionsError(f"moepass: options {given} name the same option ({new!r} is the new name "
                                "of the others); give it once")
+        if new != key:
+            _deprecated("option", key, new, stacklevel=4)
         renamed[new] = value
     return renamed
 
@@ -291,7 +301,7 @@ def options_from_env(text: str) -> dict:
     if not isinstance(value, dict):
         raise OptionsError(f"moepass: environment variable {ENV_VAR}={text!r} is a JSON {type(value).__name__}, not "
                            f"an object; set it to a JSON object of option names to values, e.g. '{_ENV_EXAMPLE}'. "
-                           f"Valid options: {sorted(_BY_KEY)}")
+                           f"Valid options: {sorted(o.key for o in options_table())}")
     log.info("moepass: options from %s: %s", ENV_VAR, value)
     return value
 
@@ -338,9 +348,8 @@ def _check_report_dir(path: str) -> None:
 
 def options_table_markdown() -> str:
     rows = ["| option | default | meaning |", "|---|---|---|"]
-    for o in OPTIONS:
+    for o in options_table():  # new names only: old ones still work, with a DeprecationWarning
         default = list(o.default) if isinstance(o.default, tuple) else o.default
         values = f" ({' / '.join(map(str, o.choices))})" if o.choices and o.choices != (True, False) else ""
-        was = f" (old name {', '.join(f'`{a}`' for a in o.aliases)})" if o.aliases else ""
-        rows.append(f"| `{o.key}`{was} | `{default!r}` | {o.help}{values} |")
+        rows.append(f"| `{o.key}` | `{default!r}` | {o.help}{values} |")
     return "\n".join(rows)

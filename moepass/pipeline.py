@@ -7,7 +7,8 @@
 2. After the passes, on the same graph: selective-AC policies are shown the new GEMM ops (inductor_stage/sac_policy),
    and every GEMM left is counted: rewritten, kept BF16 with its reason, or unaccounted (report/coverage).
 3. INDUCTOR_STAGE: what runs inside Inductor, set as its config entries by the backend (backend.py) or the Inductor
-   route (inductor_route.py), besides the recipes' decompositions added to Inductor's table (recipes.decompositions).
+   route (inductor_route.py), besides the recipes' decompositions added to Inductor's table
+   (recipes.registry.decompositions).
 """
 
 from __future__ import annotations

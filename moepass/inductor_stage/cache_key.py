@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .. import recipes
+from ..recipes import registry
 
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,9 @@ def graph_kind(graph: torch.fx.Graph) -> str:
     return "backward" if any(n.startswith("tangents") for n in names) else "forward"
 
 
-# aten GEMMs worth reporting: the BF16 ones, and those the recipes' decompositions leave (recipes.decomposed_gemms)
+# aten GEMMs worth reporting: the BF16 ones, and those the recipes' decompositions leave (registry.decomposed_gemms)
 BF16_GEMMS = ("mm", "addmm", "bmm", "_grouped_mm")
-GEMMS = (*BF16_GEMMS, *sorted(recipes.decomposed_gemms()))
+GEMMS = (*BF16_GEMMS, *sorted(registry.decomposed_gemms()))
 
 
 class CompiledGraphAudit(CustomGraphPass):
@@ -79,7 +79,7 @@ class CompiledGraphAudit(CustomGraphPass):
 
     def __init__(self, sink: list | None = None, variant: str = "", on_compiled: Callable[[], None] | None = None):
         self.sink = sink if sink is not None else []
-        self.variant = variant  # what else shapes the compiled code (recipes.cache_variant: decompositions' options)
+        self.variant = variant  # what else shapes the compiled code (registry.cache_variant: decompositions' options)
         self.on_compiled = on_compiled
 
     def __call__(self, graph: torch.fx.Graph) -> None:

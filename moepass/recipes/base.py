@@ -1,17 +1,21 @@
 """What a low-precision recipe is: the one object the planner, the op families, the backend and the cache key ask.
 
-A recipe (mxfp8.py, fp8_rowwise.py, blockwise.py) names its ops (moepass::<name>_linear, <name>_grouped_mm and
-their _dgrad / _wgrad, registered when its ops module is imported), states the block K and N must be multiples of,
-the option keys it reads, its kernel per device and GEMM kind ("linear" or "grouped"; or none, and the GEMM stays
-BF16), the arguments a plan appends to its ops, its wgrad_bf16 policy, and what else shapes the compiled code: its
-Inductor decompositions and their cache variant. Recipe modules import nothing from moepass.ops at import time (the
-ops import them); they reach their kernels' device checks lazily.
+A recipe is one folder, moepass/ops/lowp/<name>/: its recipe.py holds the object (a Recipe), which declares its
+options (Options: a frozen dataclass read under "<name>.", with at least `kernel` and `wgrad_bf16`), names its ops
+(moepass::<name>_linear, <name>_grouped_mm and their _dgrad / _wgrad, which recipe.py registers through the op
+families from its GEMM bodies), states the block K and N must be multiples of, its kernel per device and GEMM kind
+("linear" or "grouped"; or none, and the GEMM stays BF16), the arguments a plan appends to its ops, its wgrad_bf16
+policy, and what else shapes the compiled code: its Inductor decompositions and their cache variant.
+moepass.recipes.registry holds the recipes by name; `register(recipe)` adds one from anywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from moepass.option_types import Option, read, section_options
 from moepass.report.skips import Reason, SkipCode
 
 # GEMM kind ("linear": y = x @ W.T; "grouped": MoE expert GEMMs x[M,K] @ w_t[E,K,N] per token group) -> its op family
@@ -20,13 +24,26 @@ FAMILIES = {"linear": "linear", "grouped": "grouped_mm"}
 
 class Recipe:
     name: str  # the ops' name prefix and the `recipe` option's value
-    ops_module: str  # importing it registers the recipe's ops
+    Options: type  # frozen dataclass of its options, read under "<name>."; fields `kernel`, `wgrad_bf16` at least
     multiple: int  # K and N must be multiples of it (its block, or its kernels' alignment)
     multiple_why: str  # for the ops' error messages
     op_settings: tuple[str, ...] = ()  # schema of its own op arguments, before `bool wgrad_bf16, str kernel`
-    options: tuple[str, ...] = ()  # the option keys it reads
     decomposition_options: tuple[str, ...] = ()  # options that shape compiled code through its decompositions only
     decomposed_gemms: tuple[str, ...] = ()  # aten GEMMs its decompositions leave in compiled graphs
+
+    # ---- its options
+
+    @property
+    def options(self) -> tuple[Option, ...]:
+        """Its options as the table lists them, keyed "<name>.<field>"."""
+        return section_options(self.Options, self.name)
+
+    def read(self, config):
+        """Its options under `config` (a Config or a dict of option keys), as its frozen Options."""
+        return read(self.Options, config, self.name)
+
+    def check_options(self, options) -> None:
+        """Raise OptionsError for a combination of its options (its Options) that cannot work together."""
 
     @property
     def kernel_option(self) -> str:
@@ -91,9 +108,7 @@ class Recipe:
 
     def cache_variant(self, config) -> str:
         """Its `decomposition_options` set away from their defaults: the decompositions are in no cache key."""
-        from moepass.options import OPTIONS
-
-        defaults = {o.key: o.default for o in OPTIONS}
+        defaults = {f"{self.name}.{f.name}": f.default for f in dataclasses.fields(self.Options)}
         return "+".join(f"{key}={config[key]}" for key in self.decomposition_options if config[key] != defaults[key])
 
     def __repr__(self) -> str:

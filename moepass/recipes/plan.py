@@ -1,7 +1,7 @@
 """Which low-precision op one GEMM becomes: recipe, kernel and trailing op arguments, or why it stays BF16.
 
 Shared by the linear and grouped-GEMM passes: both ask the same questions, only the GEMM kind differs. Generic over
-the recipes: whatever a recipe decides, it decides through its object (moepass.recipes.RECIPES).
+the recipes: whatever a recipe decides, it decides through its object (moepass.recipes.registry.RECIPES).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import dataclasses
 import torch
 
 from moepass.analysis.graph import replace_node
-from moepass.options import OptionsError
+from moepass.option_types import OptionsError
 from moepass.report.skips import Reason, SkipCode
 
-from . import RECIPES
 from .auto import choose_recipe
+from .registry import RECIPES
 
 AUTO = "auto"  # the `recipe` option's value that lets recipes.auto choose per GEMM
 

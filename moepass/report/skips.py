@@ -32,8 +32,8 @@ class SkipCode(enum.Enum):
                     "edit `lowp.include` (paths are state_dict names: `layers.3.moe.experts`)")
     NOT_BF16 = ("both", "not bfloat16", "only BF16 GEMMs are rewritten (an fp32 router, an fp32 model)",
                 "train in bfloat16 (`model.to(torch.bfloat16)`)")
-    NOT_A_MULTIPLE = ("both", "not a multiple of", "the kernels need K and N in whole blocks (32 for MXFP8, 16 for "
-                      "FP8 rowwise, 128 for blockwise)", "pad the hidden or intermediate size")
+    NOT_A_MULTIPLE = ("both", "not a multiple of", "the recipe's kernels need K and N in whole blocks (the reason "
+                      "names the recipe and its block)", "pad the hidden or intermediate size")
     EMPTY_GEMM = ("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-")
     NOT_2D_WEIGHT = ("linear", "expected a 2-D weight", "a batched or 1-D product, not a linear", "-")
     BATCHED_GEMM = ("linear", "a batched product per", "a GEMM per head or per expert on a stacked weight (an "

@@ -13,7 +13,6 @@ import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
 from moepass.recipes import auto
 from moepass.ops.lowp.fp8_rowwise import quant
 from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
-from moepass.options import OPTIONS
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs, linear_reference,
                      sqnr)
@@ -180,13 +179,10 @@ def test_compiled_inductor_on_cuda_equals_eager():
         assert torch.equal(a, b)
 
 
-# ---- the debug model trained under the fp8_rowwise recipe (needs the `recipe` option) ------------------
-
-HAS_RECIPE_OPTION = any(o.key == "recipe" for o in OPTIONS)
+# ---- the debug model trained under the fp8_rowwise recipe ------------------------------------------------
 
 
 @needs_sm90
-@pytest.mark.skipif(not HAS_RECIPE_OPTION, reason="moepass.options has no 'recipe' option yet")
 def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16_on_the_real_kernels():
     import moepass
     from moepass.harness.corpus import Batches, load_corpus

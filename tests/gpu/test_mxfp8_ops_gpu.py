@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401
-from moepass.ops.lowp.mxfp8_kernels import choose_mxfp8_kernel
+from moepass.ops.lowp.mxfp8.kernels import choose_mxfp8_kernel
 from helpers import MXFP8_GROUPED_SHAPES as GROUPED_SHAPES
 from helpers import MXFP8_LINEAR_SHAPES as LINEAR_SHAPES
 from helpers import MXFP8_SQNR_BARS as SQNR_BARS
@@ -73,20 +73,21 @@ def test_compiled_inductor_on_cuda_equals_eager():
 
 
 def test_inductor_fuses_emulated_mxfp8_bit_equal_to_the_ops():
-    """The backend's table decomposes emulated ops on CUDA (mxfp8_decomp.py): no MXFP8 op reaches Inductor's
+    """The backend's table decomposes emulated ops on CUDA (mxfp8/decomp.py): no MXFP8 op reaches Inductor's
     post-grad graphs, BF16 GEMMs do, and forward and gradients equal the opaque ops run eagerly, bit for bit."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
     from moepass.inductor_stage.cache_key import CompiledGraphAudit
-    from moepass.ops.lowp import mxfp8_decomp
+    from moepass.ops.lowp.mxfp8 import decomp as mxfp8_decomp
+    from moepass.ops.lowp.mxfp8.recipe import MXFP8
 
     def block(x, w, w_t, offs):
         h = ops.mxfp8_linear(x, w, None, "rceil", False, "emulated")
         return ops.mxfp8_grouped_mm(torch.relu(h).reshape(-1, h.shape[-1]), w_t, offs, "rceil", False, "emulated")
 
-    mxfp8_decomp.register_inductor_fallbacks()
-    table = {**select_decomp_table(), **mxfp8_decomp.mxfp8_decompositions()}
+    mxfp8_decomp.register_inductor_fallbacks(MXFP8)
+    table = {**select_decomp_table(), **mxfp8_decomp.mxfp8_decompositions(MXFP8)}
     x, w, _ = linear_inputs((300, 256), 512, seed=1400, device="cuda")
     _, w_t, offs, g = grouped_inputs([100, 0, 150, 37], 512, 256, seed=1401, device="cuda", trailing_tokens=13)
     audit = CompiledGraphAudit()

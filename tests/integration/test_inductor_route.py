@@ -33,7 +33,7 @@ from moepass import inductor_route
 from moepass.inductor_stage.cache_key import CompiledGraphAudit
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
-from moepass.recipes import RECIPES
+from moepass.recipes.registry import RECIPES
 from helpers import rank_pool, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16

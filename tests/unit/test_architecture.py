@@ -65,6 +65,23 @@ def test_models_import_nothing_from_moepass():
     assert not wrong, wrong
 
 
+def test_a_recipe_folder_stands_alone_and_the_op_families_name_no_recipe():
+    """A recipe is one folder, moepass/ops/lowp/<name>/ (its recipe.py): it may import the shared op families, never
+    another recipe's folder or the registry. Nothing else in moepass.ops imports a recipe folder or the registry, but
+    lowp/__init__, which imports every folder so that `import moepass.ops` registers every op."""
+    graph = import_graph()
+    folders = {p.parent.name for p in (REPO / "moepass" / "ops" / "lowp").glob("*/recipe.py")}
+    assert {"mxfp8", "fp8_rowwise", "blockwise"} <= folders
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[3] if parts[:3] == ["moepass", "ops", "lowp"] and len(parts) > 3 and parts[3] in folders else None
+
+    wrong = sorted((a, b) for a, b in graph.edges if a.startswith("moepass.ops") and (
+        b == "moepass.recipes.registry" or (folder(b) not in (None, folder(a)) and a != "moepass.ops.lowp")))
+    assert not wrong, wrong
+
+
 def test_the_pipeline_names_every_pass_in_the_options_order():
     assert tuple(pipeline.PASSES) == options.PIPELINE
     passes = {p.stem for p in PACKAGE_DIRS["moepass.passes"].glob("*.py") if p.stem != "__init__"}

@@ -14,8 +14,9 @@ import torch
 import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.blockwise import decomp, gemm, kernels, quant
+from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config
-from moepass.recipes import BLOCKWISE, settle
+from moepass.recipes.registry import settle
 from helpers import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend,
                      two_linears_per_kernel)
 
@@ -47,7 +48,7 @@ def blockwise_scaled_mm_on_cpu(monkeypatch):
 
 
 def _graphs_backend(graphs, compiles=None):
-    return recording_aot_backend(graphs, decomp.blockwise_decompositions(), compiles)
+    return recording_aot_backend(graphs, decomp.blockwise_decompositions(BLOCKWISE), compiles)
 
 
 def _linear(kernel, wgrad_bf16=False):
@@ -70,7 +71,7 @@ def test_the_recipe_hands_inductor_a_table_of_its_six_ops():
 def test_emulated_and_deepgemm_kernels_are_not_decomposed():
     x, w, g = linear_inputs((32, 128), 128, seed=1)
     xg, w_t, offs, gg = grouped_inputs([10, 22], 128, 128, seed=2)
-    table = decomp.blockwise_decompositions()
+    table = decomp.blockwise_decompositions(BLOCKWISE)
     for kernel in ("emulated", "deepgemm"):
         calls = {ops.blockwise_linear.default: (x, w, None, False, kernel),
                  ops.blockwise_linear_dgrad.default: (g, w, kernel),
@@ -144,7 +145,7 @@ def test_linear_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_on
     x, w, g = linear_inputs(x_shape, n, seed=sum(x_shape) + n)
     want = forward_backward(_linear("emulated"), g, x, w)
     assert_all_equal(forward_backward(_linear("scaled_mm"), g, x, w), want, f"eager op {x_shape}")
-    table = decomp.blockwise_decompositions()
+    table = decomp.blockwise_decompositions(BLOCKWISE)
     direct = (table[ops.blockwise_linear.default](x, w, None, False, "scaled_mm"),
               table[ops.blockwise_linear_dgrad.default](g, w, "scaled_mm"),
               table[ops.blockwise_linear_wgrad.default](g, x, "scaled_mm"))
@@ -157,7 +158,7 @@ def test_grouped_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm_o
     x, w_t, offs, g = grouped_inputs(sizes, 128, 256, seed=sum(sizes), trailing_tokens=trailing)
     want = forward_backward(_grouped(offs, "emulated"), g, x, w_t)
     assert_all_equal(forward_backward(_grouped(offs, kernel), g, x, w_t), want, f"eager op {sizes}")
-    table = decomp.blockwise_decompositions()
+    table = decomp.blockwise_decompositions(BLOCKWISE)
     direct = (table[ops.blockwise_grouped_mm.default](x, w_t, offs, False, kernel),
               table[ops.blockwise_grouped_mm_dgrad.default](g, w_t, offs, kernel),
               table[ops.blockwise_grouped_mm_wgrad.default](g, x, offs, kernel))
@@ -168,7 +169,7 @@ def test_rows_form_decomposition_equals_emulated_bit_for_bit(blockwise_scaled_mm
     """quantize_once's ops (ops/lowp/grouped_mm_rows.py) for kernel "scaled_mm": the rows' quantization in plain torch
     and the GEMM on quantized rows, bit-equal to the emulated ops."""
     x, w_t, offs, _ = grouped_inputs([20, 0, 27], 128, 256, seed=5, trailing_tokens=3)
-    table = decomp.blockwise_decompositions()
+    table = decomp.blockwise_decompositions(BLOCKWISE)
     q, scale = ops.blockwise_quantize_rows(x, "emulated")
     assert_all_equal(table[ops.blockwise_quantize_rows.default](x, "scaled_mm"), (q, scale), "quantize_rows")
     want = ops.blockwise_grouped_mm_on_rows(q, scale, w_t, offs, "emulated")
@@ -251,8 +252,8 @@ def test_inductor_compiles_the_decomposed_block_bit_equal_to_emulated(blockwise_
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
-    decomp.register_inductor_fallbacks()
-    table = {**select_decomp_table(), **decomp.blockwise_decompositions()}
+    decomp.register_inductor_fallbacks(BLOCKWISE)
+    table = {**select_decomp_table(), **decomp.blockwise_decompositions(BLOCKWISE)}
     g, x, w, w_t, offs = _block_inputs(7)
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False), \

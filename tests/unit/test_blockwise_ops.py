@@ -16,8 +16,8 @@ import torch
 
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.blockwise import kernels, quant
+from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config, OptionsError
-from moepass.recipes import BLOCKWISE
 from moepass.recipes.plan import GemmPlan, plan_gemm
 from moepass.report.skips import SkipCode
 from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
@@ -304,6 +304,8 @@ def test_k_or_n_off_the_128_block_is_rejected_naming_the_fix():
     with pytest.raises(ValueError, match=r"blockwise_grouped_mm_wgrad: N=96 is not a multiple of 128"):
         ops.blockwise_grouped_mm_wgrad(gg, xg, offs, "emulated")
     assert BLOCKWISE.shape_problem(256, 160).code is SkipCode.NOT_A_MULTIPLE
+    # the block the recipe states is its quantizer's, and its kernels' reasons name its own kernel option
+    assert BLOCKWISE.multiple == quant.TILE == 128 and kernels.KERNEL_OPTION == BLOCKWISE.kernel_option
 
 
 def test_bad_kernel_names_and_kernels_that_cannot_run_here_are_refused():

@@ -381,7 +381,7 @@ def test_linear_both_layouts_keeps_plain_rows_where_tokens_may_be_zero():
 
 def test_linear_both_layouts_option_reaches_the_compile_cache_key_and_needs_the_fp8_wgrad():
     from moepass.options import Config
-    from moepass.recipes import cache_variant
+    from moepass.recipes.registry import cache_variant
 
     assert cache_variant(Config.from_options({})) == ""
     variant = cache_variant(Config.from_options({"fp8_rowwise.linear_both_layouts": "grads"}))

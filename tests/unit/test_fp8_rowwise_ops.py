@@ -14,10 +14,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
-from moepass.recipes import FP8_ROWWISE, RECIPES, auto, auto_table
+from moepass.ops.lowp.fp8_rowwise.recipe import FP8_ROWWISE
+from moepass.recipes import auto, auto_table
 from moepass.recipes.plan import resolve_recipe
+from moepass.recipes.registry import RECIPES
 from moepass.report.skips import SkipCode
-from moepass.options import OPTIONS, OptionsError
+from moepass.options import OptionsError
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (OpsCalled, assert_all_equal, assert_sqnr, block_inputs, call_targets, forward_backward,
                      grouped_inputs, grouped_reference, linear_inputs, linear_reference, recording_backend, sqnr)
@@ -532,14 +534,9 @@ def test_fp8_rowwise_kernel_option(cuda_capability, monkeypatch):
     assert kernel == "emulated" and "Triton is unavailable" in reason
 
 
-# ---- the passes under recipe="fp8_rowwise" (needs the `recipe` option in moepass.options) ------------
+# ---- the passes under recipe="fp8_rowwise" ------------------------------------------------------------
 
 
-HAS_RECIPE_OPTION = any(o.key == "recipe" for o in OPTIONS)
-needs_recipe_option = pytest.mark.skipif(not HAS_RECIPE_OPTION, reason="moepass.options has no 'recipe' option yet")
-
-
-@needs_recipe_option
 def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
     import moepass
     from moepass.models import build_model
@@ -569,7 +566,6 @@ def test_debug_model_under_fp8_rowwise_rewrites_every_gemm_and_reports_why():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@needs_recipe_option
 @pytest.mark.extended  # ~3-5 min on 2 cores: pytest -m extended
 def test_debug_model_loss_after_50_steps_within_3_percent_of_bf16():
     import copy

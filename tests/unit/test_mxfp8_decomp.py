@@ -1,4 +1,4 @@
-"""moepass/ops/lowp/mxfp8_decomp.py on CPU: emulated MXFP8 ops decomposed for Inductor into their own plain-torch
+"""moepass/ops/lowp/mxfp8/decomp.py on CPU: emulated MXFP8 ops decomposed for Inductor into their own plain-torch
 bodies (quantize, dequantize, BF16 GEMM), so Inductor fuses the quantization.
 
 The decomposition runs on CUDA tensors only; the `fused_on_cpu` fixture lets it run on CPU here, where the decomposed
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401  (registers the ops)
-from moepass.ops.lowp import mxfp8_decomp
+from moepass.ops.lowp.mxfp8 import decomp as mxfp8_decomp
+from moepass.ops.lowp.mxfp8.recipe import MXFP8
 from moepass.options import Config
-from moepass.recipes import MXFP8, settle
+from moepass.recipes.registry import settle
 from helpers import assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend
 
 ops = torch.ops.moepass
@@ -29,7 +30,7 @@ def fused_on_cpu(monkeypatch):
 
 
 def _graphs_backend(graphs, compiles=None):
-    return recording_aot_backend(graphs, mxfp8_decomp.mxfp8_decompositions(), compiles)
+    return recording_aot_backend(graphs, mxfp8_decomp.mxfp8_decompositions(MXFP8), compiles)
 
 
 def _block(x, w, w_t, offs, scale_rounding="rceil"):
@@ -48,7 +49,7 @@ def test_the_recipe_hands_inductor_a_table_of_its_six_ops():
 
 
 def test_cpu_tensors_and_the_sm100_kernel_are_not_decomposed():
-    table = mxfp8_decomp.mxfp8_decompositions()
+    table = mxfp8_decomp.mxfp8_decompositions(MXFP8)
     x, w, _ = linear_inputs((4, 64), 64, seed=1)
     assert table[ops.mxfp8_linear.default](x, w, None, "rceil", False, "emulated") is NotImplemented
     fake_cuda = torch.empty(4, 64, device="meta")

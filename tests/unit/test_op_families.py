@@ -1,5 +1,5 @@
 """The low-precision op families (moepass/ops/lowp/linear.py, grouped_mm.py), one per GEMM kind, instantiated per
-recipe (moepass.recipes): shared checks in the same words for every recipe, one device probe, leaf GEMM
+recipe (moepass.recipes.registry): shared checks in the same words for every recipe, one device probe, leaf GEMM
 primitives, every GEMM op known to moepass.analysis.op_registry. Each recipe's numerics are in test_mxfp8_ops.py,
 test_fp8_rowwise_ops.py and test_blockwise_ops.py."""
 
@@ -14,10 +14,12 @@ from moepass import device_arch
 from moepass.analysis.op_registry import GemmRole, gemm_role, is_exchange
 from moepass.ops.lowp.fp8_rowwise import decomp as fp8_rowwise_decomp
 from moepass.ops.lowp.fp8_rowwise import scaled_gemms
-from moepass.recipes import BLOCKWISE, FP8_ROWWISE, MXFP8
+from moepass.options import Config
+from moepass.recipes.registry import BUILT_IN
 
 BF16 = torch.bfloat16
-RECIPES = {"mxfp8": (MXFP8, ("rceil",)), "fp8_rowwise": (FP8_ROWWISE, ()), "blockwise": (BLOCKWISE, ())}  # + settings
+# every built-in recipe, with its op settings under the default options
+RECIPES = {r.name: (r, r.settings(Config.from_options({}))) for r in BUILT_IN}
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -75,9 +77,9 @@ def _moepass_imports(module) -> set[str]:
 
 def test_gemm_primitives_are_a_leaf_and_the_decomposition_imports_no_op_module():
     assert _moepass_imports(scaled_gemms) == set()
-    # the decomposition may use the quantization, the formats, the GEMM primitives and the shared Inductor fallback
-    # registration; never a module that registers ops (importing one would register the ops it decomposes)
-    assert _moepass_imports(fp8_rowwise_decomp) == {"quant", "formats", "scaled_gemms", "inductor_fallbacks"}
+    # the decomposition may use the quantization, the GEMM primitives and the shared Inductor fallback registration;
+    # never a module that registers ops (importing one would register the ops it decomposes)
+    assert _moepass_imports(fp8_rowwise_decomp) == {"quant", "scaled_gemms", "inductor_fallbacks"}
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -1,9 +1,14 @@
 """Options are validated up front; a bad key or value names the valid ones."""
 
+import re
+
 import pytest
 import torch
 
-from moepass.options import DEFAULT_PASSES, OPTIONS, PIPELINE, Config, OptionsError, options_table_markdown
+from moepass.options import (DEFAULT_PASSES, PIPELINE, Config, Lowp, OptionsError, options_table,
+                             options_table_markdown)
+
+OPTIONS = options_table()
 
 
 def test_defaults_run_the_default_passes_in_pipeline_order():
@@ -23,10 +28,12 @@ def test_pass_selection_keeps_pipeline_order():
 
 
 def test_old_pass_names_select_the_same_passes():
-    old = Config.from_options({"passes": ["mxfp8_linear", "mxfp8_grouped_mm"]})
+    with pytest.warns(DeprecationWarning, match="pass name 'mxfp8_linear' is deprecated; use 'linear'"):
+        old = Config.from_options({"passes": ["mxfp8_linear", "mxfp8_grouped_mm"]})
     assert old.pipeline == ("grouped_mm", "linear") and old["passes"] == ("linear", "grouped_mm")  # new names only
     assert old.enabled("mxfp8_linear") and old.enabled("linear") and not old.enabled("deepep")
-    both = Config.from_options({"passes": ["linear", "mxfp8_linear"]})
+    with pytest.warns(DeprecationWarning, match="'mxfp8_linear'"):
+        both = Config.from_options({"passes": ["linear", "mxfp8_linear"]})
     assert both["passes"] == ("linear",)  # one pass, named twice
 
 
@@ -44,15 +51,18 @@ def test_old_pass_names_load_the_renamed_pass_modules():
     ("mxfp8.keep_output_head_bf16", "lowp.keep_output_head_bf16", False),
 ])
 def test_old_option_keys_set_the_new_ones(old, new, value):
-    config = Config.from_options({old: value})
+    with pytest.warns(DeprecationWarning, match=rf"option '{old}' is deprecated; use '{new}'"):
+        config = Config.from_options({old: value})
     assert config.values == Config.from_options({new: value}).values
-    assert old not in config.to_dict() and config[old] == config[new] != Config.from_options(None)[new]
-    with pytest.raises(OptionsError, match=rf"{old}.*{new}|{new}.*{old}"):
+    with pytest.warns(DeprecationWarning, match=rf"use '{new}'"):
+        assert old not in config.to_dict() and config[old] == config[new] != Config.from_options(None)[new]
+    with pytest.raises(OptionsError, match=rf"{old}.*{new}|{new}.*{old}"), pytest.warns(DeprecationWarning):
         Config.from_options({old: value, new: value})  # one option given twice
 
 
 def test_old_option_keys_are_checked_like_the_new_ones():
-    with pytest.raises(OptionsError, match="'lowp.exclude'='output' is not valid; expected a list of glob"):
+    with pytest.raises(OptionsError, match="'lowp.exclude'='output' is not valid; expected a list of glob"), \
+            pytest.warns(DeprecationWarning):
         Config.from_options({"mxfp8.exclude": "output"})
 
 
@@ -77,10 +87,34 @@ def test_bad_option_reaches_torch_compile_caller_as_value_error():
         compiled(torch.randn(4, 32))
 
 
-def test_options_table_lists_every_option():
+def test_options_table_lists_every_option_under_its_new_name_only():
     table = options_table_markdown()
     assert all(f"`{o.key}`" in table for o in OPTIONS)
+    assert not any(alias in table for o in OPTIONS for alias in o.aliases)  # old names work, but are not listed
     assert issubclass(OptionsError, ValueError)
+
+
+# a figure (1.33x, 6.2 GiB, 3%, 442 ms) or the history of a choice belongs in docs/results, not in a help line
+FIGURE_OR_HISTORY = re.compile(r"\d(\.\d+)?\s*(x\b|%|ms\b|GiB\b|s\b)|\b(since|measured|A/B)\b")
+
+
+def test_every_help_is_one_short_line_without_figures_or_history():
+    assert len(OPTIONS) >= 20
+    for o in OPTIONS:
+        assert "\n" not in o.help and 0 < len(o.help) <= 120, (o.key, len(o.help), o.help)
+        assert not FIGURE_OR_HISTORY.search(o.help), (o.key, o.help)
+
+
+def test_options_parse_into_frozen_typed_sections():
+    config = Config.from_options({"lowp.exclude": ["output"], "mxfp8.scale_rounding": "floor"})
+    lowp = config.section("lowp")
+    assert lowp == Lowp(exclude=("output",)) and lowp.exclude == config["lowp.exclude"]
+    assert config.section("mxfp8").scale_rounding == "floor"
+    with pytest.raises(AttributeError):  # frozen
+        lowp.exclude = ()
+    choices = {o.key: o.choices for o in OPTIONS}
+    assert choices["quantize_once.saved_rows"] == ("auto", "fp8", "bf16")  # from the field's Literal type
+    assert choices["lowp.keep_router_bf16"] == (True, False)  # from bool
 
 
 def test_readme_options_table_is_the_generated_one():

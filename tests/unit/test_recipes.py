@@ -1,6 +1,8 @@
-"""moepass/recipes/: one object per low-precision recipe, a registry, and a planner that names none of them."""
+"""The low-precision recipes: one folder and one object each (moepass/ops/lowp/<name>/recipe.py), a registry
+(moepass/recipes/registry.py), and a planner that names none of them."""
 
 import ast
+import dataclasses
 import pathlib
 
 import pytest
@@ -9,13 +11,16 @@ import torch
 import moepass
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 import moepass.passes
-from moepass.options import OPTIONS, Config
-from moepass.recipes import RECIPES, Recipe, cache_variant, decomposed_gemms, decompositions, settle
+from moepass.option_types import option
+from moepass.options import Config, options_table
+from moepass.recipes.base import Recipe
 from moepass.recipes.plan import GemmPlan, plan_gemm
+from moepass.recipes.registry import (BUILT_IN, RECIPES, cache_variant, decomposed_gemms, decompositions, register,
+                                      settle)
 from moepass.report.skips import Reason, SkipCode
 
 MOEPASS = pathlib.Path(moepass.__file__).parent
-_OPTION = {o.key: o for o in OPTIONS}
+_OPTION = {o.key: o for o in options_table()}
 
 
 def test_the_recipe_option_offers_auto_and_every_registered_recipe():
@@ -25,9 +30,24 @@ def test_the_recipe_option_offers_auto_and_every_registered_recipe():
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_recipe_reads_exactly_the_options_named_after_it(name):
     recipe = RECIPES[name]
-    assert recipe.name == name and set(recipe.options) <= set(_OPTION)
-    assert {k for k in _OPTION if k.startswith(f"{name}.")} == set(recipe.options)
-    assert {recipe.kernel_option, recipe.wgrad_option, *recipe.decomposition_options} <= set(recipe.options)
+    keys = {o.key for o in recipe.options}
+    assert recipe.name == name and keys <= set(_OPTION)
+    assert {k for k in _OPTION if k.startswith(f"{name}.")} == keys
+    assert {recipe.kernel_option, recipe.wgrad_option, *recipe.decomposition_options} <= keys
+    assert recipe.read(Config.from_options({})) == recipe.Options()  # its typed options, at their defaults
+
+
+def test_each_recipe_folder_holds_one_registered_recipe():
+    """A recipe is one folder under moepass/ops/lowp/ with its recipe.py; the registry registers every such folder,
+    and `import moepass.ops` imports them all (so it registers every op)."""
+    lowp = MOEPASS / "ops" / "lowp"
+    folders = sorted(p.parent.name for p in lowp.glob("*/recipe.py"))
+    assert folders == sorted(r.name for r in BUILT_IN)
+    for recipe in BUILT_IN:
+        assert type(recipe).__module__ == f"moepass.ops.lowp.{recipe.name}.recipe"
+    imported = {a.name for node in ast.walk(ast.parse((lowp / "__init__.py").read_text()))
+                if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert set(folders) <= imported
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -58,15 +78,21 @@ def test_decompositions_and_cache_variant_come_from_the_recipes():
     assert decomposed_gemms() == {"_scaled_mm", "_scaled_grouped_mm"}
 
 
+@dataclasses.dataclass(frozen=True)
+class _StubOptions:
+    kernel: str = option("fast", "the stub's kernel")
+    wgrad_bf16: bool = option(True, "the stub's wgrad")
+    block: int = option(4, "the stub's setting")
+
+
 class _StubRecipe(Recipe):
     """A recipe the planner has never heard of: what it asks, it asks the object."""
 
     name = "stub"
-    ops_module = "nowhere"
+    Options = _StubOptions
     multiple = 8
     multiple_why = "the stub's block"
     op_settings = ("int block",)
-    options = ("stub.kernel", "stub.wgrad_bf16", "stub.block")
 
     def choose_kernel(self, requested, device, kind):
         return f"{requested}-{kind}", f"stub kernel on {device}"
@@ -75,10 +101,11 @@ class _StubRecipe(Recipe):
         return requested, "stub wgrad"
 
     def settings(self, config):
-        return (config["stub.block"],)
+        return (self.read(config).block,)
 
 
 def test_the_planner_is_generic_over_the_registry(monkeypatch):
+    """A recipe the registry holds (put there directly: the stub has no ops to register) is planned like any."""
     monkeypatch.setitem(RECIPES, "stub", _StubRecipe())
     config = {"recipe": "stub", "stub.kernel": "fast", "stub.wgrad_bf16": True, "stub.block": 4}
     plan = plan_gemm(config, "grouped", torch.device("cpu"), 64, 16, 24, experts=2)
@@ -86,6 +113,14 @@ def test_the_planner_is_generic_over_the_registry(monkeypatch):
                             "stub_grouped_mm", (4, True, "fast-grouped"))
     problem = plan_gemm(config, "linear", torch.device("cpu"), 64, 12, 24)
     assert problem == Reason(SkipCode.NOT_A_MULTIPLE, "stub: K=12 not a multiple of 8")
+
+
+def test_register_refuses_a_recipe_without_its_ops_or_under_a_taken_name():
+    with pytest.raises(ValueError, match=r"'stub': ops \['stub_linear', .*\] are not registered"):
+        register(_StubRecipe())
+    with pytest.raises(ValueError, match="'mxfp8' is already registered"):
+        register(RECIPES["mxfp8"])
+    assert "stub" not in RECIPES and list(RECIPES) == [r.name for r in BUILT_IN]
 
 
 def test_recipe_auto_leaving_a_gemm_in_bf16_is_a_coded_reason(monkeypatch):
@@ -97,13 +132,12 @@ def test_recipe_auto_leaving_a_gemm_in_bf16_is_a_coded_reason(monkeypatch):
 
 
 def test_the_engine_names_no_recipe():
-    """Recipe names appear only in the recipes' own modules, the auto choice, and the options table."""
-    allowed = {MOEPASS / "options.py", MOEPASS / "cli.py", MOEPASS / "recipes" / "auto.py",
-               *(MOEPASS / "recipes" / f"{name}.py" for name in RECIPES)}
+    """Recipe names appear only in the recipes' own folders, the auto choice, and the CLI's examples."""
+    allowed = {MOEPASS / "cli.py", MOEPASS / "recipes" / "auto.py"}
     passes = pathlib.Path(moepass.passes.__file__).parent
     found = []
     for path in [*MOEPASS.rglob("*.py"), *passes.glob("*.py")]:
-        if "harness" in path.parts or path in allowed:
+        if "harness" in path.parts or path in allowed or path.parent.name in RECIPES:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in RECIPES:

@@ -1,9 +1,9 @@
-"""What a recipe's ops module hands the shared op families (linear.py, grouped_mm.py): data, not code paths.
+"""What a recipe hands the shared op families (linear.py, grouped_mm.py): data, not code paths.
 
 The recipe object (moepass.recipes.base.Recipe) names the ops (moepass::<name>_linear, <name>_grouped_mm and their
 _dgrad / _wgrad), declares its own settings (arguments before `wgrad_bf16` and `kernel` in every schema) and the
-multiple K and N must be. Its ops module (mxfp8.py, fp8_rowwise/) adds the GEMM bodies and the check of its
-settings and kernel on a device (RecipeGemms); the families register the ops.
+multiple K and N must be. Its folder (ops/lowp/<name>/) adds the GEMM bodies and the check of its settings and
+kernel on a device (RecipeGemms); its recipe.py calls the families, which register the ops.
 """
 
 from __future__ import annotations

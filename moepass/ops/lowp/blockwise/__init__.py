@@ -1,8 +1,8 @@
-"""The blockwise FP8 recipe's ops (DeepSeek-V3's 1x128 / 128x128 scales; the recipe is moepass.recipes.blockwise):
-importing this registers them.
+"""The blockwise FP8 recipe (DeepSeek-V3's 1x128 / 128x128 scales), one folder (importing it registers its ops).
 
-linear.py, grouped_mm.py: moepass::blockwise_linear, blockwise_grouped_mm and their _dgrad / _wgrad (the op families
-are ops/lowp/linear.py, grouped_mm.py); quant.py: the tile and block quantizers in plain torch; gemm.py: the one GEMM
+recipe.py: the recipe object and its options, which registers moepass::blockwise_linear, blockwise_grouped_mm and their
+_dgrad / _wgrad through the op families (ops/lowp/linear.py, grouped_mm.py) from the GEMMs of linear.py and
+grouped_mm.py; quant.py: the tile and block quantizers in plain torch (and the 128 tile); gemm.py: the one GEMM
 form (A @ B.T, both K-major) on torch._scaled_mm or emulated, and the opaque GEMM ops moepass::blockwise_scaled_mm /
 blockwise_scaled_grouped_mm that kernel "scaled_mm" runs it through; decomp.py: the Inductor decompositions of the
 kernel "scaled_mm" ops (their quantization in plain torch, fused by Inductor, around those GEMM ops, which stay
@@ -12,4 +12,6 @@ launch per GEMM); deepgemm.py, deepgemm_check.py: the grouped GEMMs on DeepGEMM 
 self-check.
 """
 
-from . import grouped_mm, linear  # noqa: F401  (each registers its ops)
+from .recipe import BLOCKWISE  # importing it registers moepass::blockwise_*
+
+__all__ = ["BLOCKWISE"]

@@ -21,8 +21,6 @@ import functools
 
 import torch
 
-from moepass.recipes.blockwise import BLOCKWISE
-
 from ..inductor_fallbacks import decomposition, gemm_decompositions, register_fallbacks
 from . import grouped_mm, linear, quant
 
@@ -34,13 +32,14 @@ def _decomposed(args: tuple) -> bool:
     return args[-1] in DECOMPOSED  # the ops' last argument: their kernel
 
 
-def blockwise_decompositions() -> dict:
-    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
+def blockwise_decompositions(recipe) -> dict:
+    """{OpOverload: decomposition} of `recipe`'s (blockwise's) ops for compile_fx(..., decompositions=...), merged over
+    Inductor's own table."""
     ops = torch.ops.moepass
     return {
         ops.blockwise_quantize_rows.default: decomposition(lambda x, kernel: quant.quantize_tiles(x), _decomposed),
         ops.blockwise_grouped_mm_on_rows.default: decomposition(grouped_mm.forward_rows, _decomposed),
-        **gemm_decompositions(BLOCKWISE, {
+        **gemm_decompositions(recipe, {
             "linear": linear.forward, "linear_dgrad": linear.dgrad, "linear_wgrad": linear.wgrad,
             "grouped_mm": grouped_mm.forward, "grouped_mm_dgrad": grouped_mm.dgrad,
             "grouped_mm_wgrad": grouped_mm.wgrad}, _decomposed),
@@ -48,6 +47,6 @@ def blockwise_decompositions() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def register_inductor_fallbacks() -> None:
+def register_inductor_fallbacks(recipe) -> None:
     """Lowerings for the ops a decomposition declines (kernels "emulated", "deepgemm")."""
-    register_fallbacks(blockwise_decompositions())
+    register_fallbacks(blockwise_decompositions(recipe))

@@ -1,7 +1,7 @@
 """Grouped blockwise FP8 GEMMs on DeepGEMM, through torchao 0.18's blockwise grouped op (kernel "deepgemm").
 
 torchao's _Float8BlockwiseGroupedMM runs forward, dgrad and wgrad in one autograd.Function; moepass runs each as its
-own op, so this module calls the same pieces per GEMM: token groups padded to 128 rows (mxfp8_token_groups' layout,
+own op, so this module calls the same pieces per GEMM: token groups padded to 128 rows (token_group_padding's layout,
 the one torchao's torch_pad_token_groups writes), torchao's Triton quantizers (scale = amax / 448, as ours), and its
 DeepGEMM backend (M-grouped GEMMs for forward and dgrad, the K-grouped one for the wgrad). DeepGEMM is an optional
 dependency, never vendored; kernels.py uses this path only after deepgemm_check ran it against the emulated ops in a
@@ -15,9 +15,9 @@ from torch import Tensor
 
 from moepass.torchao_import import torchao_import
 
-from ..formats import BLOCKWISE_TILE as TILE
 from ..formats import E4M3
-from ..mxfp8_token_groups import TokenGroupPadding, pad_token_groups, plan_token_group_padding, unpad_token_groups
+from ..token_group_padding import TokenGroupPadding, pad_token_groups, plan_token_group_padding, unpad_token_groups
+from .quant import TILE
 
 BF16 = torch.bfloat16
 

@@ -1,10 +1,11 @@
-"""Blockwise FP8 grouped GEMMs (moepass::blockwise_grouped_mm, _dgrad, _wgrad; the op family is lowp/grouped_mm.py).
+"""Blockwise FP8 grouped GEMMs (moepass::blockwise_grouped_mm, _dgrad, _wgrad, which recipe.py registers through the
+op families lowp/grouped_mm.py and grouped_mm_rows.py).
 
 x [M, K] @ w_t[g] [K, N] per token group g (offs: int32 group ends):
 forward  x in 1x128 tiles along K (per row: no group crosses a tile), each expert's weight in 128x128 blocks
 dgrad    grad_out in 1x128 tiles along N, each expert's weight in the same blocks, read transposed
 wgrad    grad_out and x in 1x128 tiles along tokens, each group zero-padded to a multiple of 128 rows first
-         (mxfp8_token_groups with block 128), so no tile straddles two groups
+         (token_group_padding with block 128), so no tile straddles two groups
 Kernels: "deepgemm" (deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm", "triton" and "emulated":
 the quantization here in plain torch (no host sync), then gemm.grouped_mm_nt: for "scaled_mm" the opaque
 moepass::blockwise_scaled_grouped_mm, one GEMM per token group (group bounds read on the host: one sync per op), for
@@ -18,12 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moepass.recipes.blockwise import BLOCKWISE
-
-from ..grouped_mm import define_grouped_mm_ops
-from ..grouped_mm_rows import RowGemms, define_grouped_mm_rows_ops
-from ..mxfp8_token_groups import pad_token_groups, plan_token_group_padding
+from ..grouped_mm_rows import RowGemms
 from ..op_recipe import RecipeGemms
+from ..token_group_padding import pad_token_groups, plan_token_group_padding
 from . import deepgemm, quant
 from .gemm import grouped_mm_nt
 from .kernels import check_settings
@@ -78,10 +76,8 @@ def _dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
     return quant.dequantize_tiles(q, scale).to(torch.bfloat16)
 
 
+# registered as ops by recipe.py
 GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)
-define_grouped_mm_ops(BLOCKWISE, GEMMS)
 # rows quantized before their gather: 1x128 tiles along K (DeepGEMM quantizes its operands itself: no rows form)
-define_grouped_mm_rows_ops(BLOCKWISE, GEMMS, RowGemms(lambda x, kernel: quant.quantize_tiles(x), forward_rows,
-                                                      _dequantize_rows, lambda k: k // quant.TILE,
-                                                      kernels=("scaled_mm", "triton", "emulated"),
-                                                      fp8_wgrad_on_rows=False))
+ROWS = RowGemms(lambda x, kernel: quant.quantize_tiles(x), forward_rows, _dequantize_rows, lambda k: k // quant.TILE,
+                kernels=("scaled_mm", "triton", "emulated"), fp8_wgrad_on_rows=False)

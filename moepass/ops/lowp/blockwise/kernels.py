@@ -27,7 +27,6 @@ import sys
 import torch
 
 from moepass.device_arch import CudaDevice, probe
-from moepass.recipes.blockwise import BLOCKWISE
 
 KERNELS = ("emulated", "scaled_mm", "triton", "deepgemm")
 EMULATED = ("the same quantization, dequantized operands and an fp32 GEMM; runs on CPU and any CUDA GPU, slower "
@@ -37,6 +36,7 @@ MIN_CUDA = (12, 9)  # cuBLASLt's 1x128 / 128x128 FP32 block scaling
 PROBE_MAX_REL_ERROR = 1e-2  # same quantized operands: only fp32 accumulation order and bf16 rounding differ
 DEEPGEMM_CHECK_TIMEOUT_S = 600  # DeepGEMM compiles its kernels on first use
 DEEPGEMM_CHECK_MODULE = "moepass.ops.lowp.blockwise.deepgemm_check"
+KERNEL_OPTION = "blockwise.kernel"  # the option these reasons name (the recipe's kernel_option)
 
 
 def check_kernel_name(kernel: str) -> None:
@@ -205,15 +205,15 @@ def choose_blockwise_kernel(device: torch.device | str, grouped: bool) -> tuple[
     if no_scaled_mm is None:
         if grouped:
             return "scaled_mm", (f"{cuda}: torch._scaled_mm with blockwise scales, one per token group "
-                                 f"({BLOCKWISE.kernel_option}='triton' runs them in one Triton launch, "
-                                 f"{BLOCKWISE.kernel_option}='deepgemm' on DeepGEMM; both slower or failing as "
+                                 f"({KERNEL_OPTION}='triton' runs them in one Triton launch, "
+                                 f"{KERNEL_OPTION}='deepgemm' on DeepGEMM; both slower or failing as "
                                  "measured at DeepSeek-V3's dims)")
         return "scaled_mm", f"{cuda}: torch._scaled_mm with DeepSeek's 1x128 / 128x128 scales"
     no_triton = triton_problem(cuda) if grouped else None
     if grouped and no_triton is None:
         return "triton", f"{cuda}: moepass's Triton blockwise grouped GEMMs, self-check passed ({no_scaled_mm})"
     return None, "; ".join(p for p in (no_scaled_mm, no_triton) if p) + \
-        f"; {BLOCKWISE.kernel_option}='emulated' runs its numerics ({EMULATED})"
+        f"; {KERNEL_OPTION}='emulated' runs its numerics ({EMULATED})"
 
 
 def require_kernel(kernel: str, device: torch.device, grouped: bool) -> None:
@@ -226,7 +226,7 @@ def require_kernel(kernel: str, device: torch.device, grouped: bool) -> None:
     problem = kernel_problem(kernel, device, grouped)  # cached per device: a device's answer does not change
     if problem:
         raise RuntimeError(f"kernel={kernel!r} cannot run here: {problem}. Fallback: kernel='emulated' "
-                           f"(option {BLOCKWISE.kernel_option}='emulated': {EMULATED}).")
+                           f"(option {KERNEL_OPTION}='emulated': {EMULATED}).")
 
 
 def check_settings(device: torch.device, grouped: bool, kernel: str) -> None:

@@ -1,4 +1,5 @@
-"""Blockwise FP8 linear GEMMs (moepass::blockwise_linear, _dgrad, _wgrad; the op family is lowp/linear.py).
+"""Blockwise FP8 linear GEMMs (moepass::blockwise_linear, _dgrad, _wgrad, which recipe.py registers through the op
+family lowp/linear.py).
 
 forward  y = x @ W.T (+ b):       x in 1x128 tiles along K, W in 128x128 blocks
 dgrad    grad_x = grad_out @ W:   grad_out in 1x128 tiles along N, W in the same 128x128 blocks, read transposed
@@ -16,9 +17,6 @@ from typing import Optional
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepass.recipes.blockwise import BLOCKWISE
-
-from ..linear import define_linear_ops
 from ..op_recipe import RecipeGemms
 from . import quant
 from .gemm import mm_nt
@@ -53,4 +51,4 @@ def wgrad(grad_out: Tensor, x: Tensor, kernel: str) -> Tensor:
     return mm_nt(g_q, g_scale, x_q, x_scale, False, kernel)  # [N, K]; no tokens: zeros
 
 
-define_linear_ops(BLOCKWISE, RecipeGemms(forward, dgrad, wgrad, check_settings))
+GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)  # registered as ops by recipe.py

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..formats import BLOCKWISE_TILE as TILE
 from ..formats import E4M3, E4M3_MAX
 
+TILE = 128  # 1x128 tiles (activations, gradients) and 128x128 blocks (weights): the recipe's `multiple`
 AMAX_EPS = 1e-12  # torchao's and DeepSeek's floor on amax
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-TILE = 128  # the scales' granularity: one K step of the kernels
+from .quant import TILE  # the scales' granularity: one K step of the kernels
 BF16 = torch.bfloat16
 
 # BLOCK_N divides 128 (one weight-block scale per K step); 128x128 at most: the promotion keeps the block's product

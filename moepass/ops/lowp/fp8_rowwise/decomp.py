@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..formats import FP8_ALIGN
 from ..inductor_fallbacks import register_fallbacks
 from . import quant
 from .scaled_gemms import scaled_grouped_mm, scaled_mm, zero_rows_after_last_group
@@ -61,7 +60,7 @@ def cols_of(t: Tensor, both_layouts: bool) -> tuple[Tensor, Tensor]:
 
 def pad_tokens(t: Tensor) -> Tensor:
     """[M, D] -> [round_up(M, 16), D] with zero rows: torch._scaled_mm needs its reduction dim % 16 == 0."""
-    missing = -t.shape[0] % FP8_ALIGN
+    missing = -t.shape[0] % quant.ALIGN
     return t if statically_known_true(missing == 0) else F.pad(t, (0, 0, 0, missing))
 
 

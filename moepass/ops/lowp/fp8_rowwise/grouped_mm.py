@@ -1,4 +1,5 @@
-"""FP8-rowwise grouped GEMMs (moepass::fp8_rowwise_grouped_mm, _dgrad, _wgrad; the op family is lowp/grouped_mm.py).
+"""FP8-rowwise grouped GEMMs (moepass::fp8_rowwise_grouped_mm, _dgrad, _wgrad, which recipe.py registers through the
+op families lowp/grouped_mm.py and grouped_mm_rows.py).
 
 Forward: x per row, each expert's weight per output channel (along K); dgrad: grad_out per row, each
 expert's weight per input channel (along N); wgrad: grad_out and x per (token group, column). GEMMs:
@@ -13,11 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moepass.recipes.fp8_rowwise import FP8_ROWWISE
-
 from ..formats import E4M3
-from ..grouped_mm import define_grouped_mm_ops
-from ..grouped_mm_rows import RowGemms, define_grouped_mm_rows_ops
+from ..grouped_mm_rows import RowGemms
 from ..grouped_wgrad_bf16 import as_transposed_layout
 from ..op_recipe import RecipeGemms
 from . import quant
@@ -90,9 +88,8 @@ def _rows_quantize(x: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
     return quant.rows(x, kernel) if x.shape[0] else (x.to(E4M3), x.new_ones(0, 1, dtype=torch.float32))
 
 
+# registered as ops by recipe.py
 GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)
-define_grouped_mm_ops(FP8_ROWWISE, GEMMS)
 # rows quantized before their gather: one power-of-two scale per row, so dequantization is exact
-define_grouped_mm_rows_ops(FP8_ROWWISE, GEMMS, RowGemms(_rows_quantize, forward_rows, quant.dequantize,
-                                                        lambda k: 1, kernels=("scaled_mm", "emulated"),
-                                                        fp8_wgrad_on_rows=True, wgrad=wgrad_on_rows))
+ROWS = RowGemms(_rows_quantize, forward_rows, quant.dequantize, lambda k: 1, kernels=("scaled_mm", "emulated"),
+                fp8_wgrad_on_rows=True, wgrad=wgrad_on_rows)

@@ -1,5 +1,5 @@
-"""FP8-rowwise linear GEMMs (moepass::fp8_rowwise_linear, _dgrad, _wgrad; the op family is lowp/linear.py): the
-Hopper-native FP8 recipe.
+"""FP8-rowwise linear GEMMs (moepass::fp8_rowwise_linear, _dgrad, _wgrad, which recipe.py registers through the op
+family lowp/linear.py): the Hopper-native FP8 recipe.
 
 y = x @ W.T (+ b) with x scaled per row and W per output channel (both along K); dgrad scales grad_out
 per row and W per input channel (both along N); wgrad scales grad_out and x per column (along tokens).
@@ -16,9 +16,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from moepass.recipes.fp8_rowwise import FP8_ROWWISE
-
-from ..linear import define_linear_ops
 from ..op_recipe import RecipeGemms
 from . import decomp, quant
 from .kernels import check_settings
@@ -71,4 +68,4 @@ def wgrad(grad_out: Tensor, x: Tensor, kernel: str) -> Tensor:
     return _emulated_mm(g_q.t(), g_scale.reshape(-1, 1), x_q, x_scale)
 
 
-define_linear_ops(FP8_ROWWISE, RecipeGemms(forward, dgrad, wgrad, check_settings))
+GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)  # registered as ops by recipe.py

@@ -20,6 +20,7 @@ from moepass.torchao_import import torchao_import
 from ..formats import E4M3, E4M3_MAX
 
 AMAX_EPS = 1e-12  # torchao's floor on amax: an all-zero row gets a finite scale (and zero data)
+ALIGN = 16  # torch._scaled_mm / _scaled_grouped_mm: K, N and the wgrad's token groups in 16-byte e4m3 rows
 _EXPONENT_BITS = 0x7F800000
 
 

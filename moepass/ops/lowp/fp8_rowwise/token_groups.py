@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from ..formats import E4M3
-from ..formats import FP8_ALIGN as ALIGN
 from . import quant
+from .quant import ALIGN
 from .triton_kernels import padded_token_rows
 
 

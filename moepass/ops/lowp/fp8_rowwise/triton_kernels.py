@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 
 from ..formats import E4M3, E4M3_MAX
-from ..formats import FP8_ALIGN as ALIGN
-from .quant import AMAX_EPS, scale_from_amax
+from .quant import ALIGN, AMAX_EPS, scale_from_amax
 
 # both_layouts' tile: the fastest of six on an H200 (examples/results/expert_weight_quant_h200.json)
 BOTH_BLOCK_R, BOTH_BLOCK_C = 128, 64

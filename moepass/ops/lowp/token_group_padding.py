@@ -1,8 +1,8 @@
-"""Pad token groups to multiples of 32 rows (MXFP8's block; any `block`, e.g. blockwise FP8's 128) without a host
-sync, and undo it.
+"""Pad token groups to multiples of a recipe's block of rows (MXFP8's 32, blockwise FP8's 128) without a host sync,
+and undo it: for the grouped GEMMs whose wgrad reduces over tokens in blocks that must not straddle two groups.
 
-Same padded layout as torchao's torch_pad_token_groups (group g starts at the 32-aligned
-cumulative padded offset, zeros elsewhere, round_up(M + 32 * E, 32) rows), so the GEMMs see
+Same padded layout as torchao's torch_pad_token_groups (group g starts at the block-aligned
+cumulative padded offset, zeros elsewhere, round_up(M + block * E, block) rows), so the GEMMs see
 identical operands. Unlike torchao's, tokens at or after offs[-1] are allowed: they are
 zeroed in the padded buffer and come back as zeros.
 """
@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import MX_BLOCK
-
 
 @dataclass
 class TokenGroupPadding:
@@ -24,7 +22,7 @@ class TokenGroupPadding:
     padded_rows: int
 
 
-def plan_token_group_padding(offs: torch.Tensor, num_tokens: int, block: int = MX_BLOCK) -> TokenGroupPadding:
+def plan_token_group_padding(offs: torch.Tensor, num_tokens: int, block: int) -> TokenGroupPadding:
     ends = offs.to(torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     padded_sizes = (sizes + block - 1) // block * block

@@ -19,33 +19,46 @@ compiled-graph audit records those as moepass ops.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import torch
 
-from moepass.options import OptionsError
+from moepass.option_types import OptionsError, option
+from moepass.recipes.base import Recipe
 
-from .base import Recipe
+from ..grouped_mm import define_grouped_mm_ops
+from ..grouped_mm_rows import define_grouped_mm_rows_ops, rows_decompositions
+from ..linear import define_linear_ops
+from . import decomp, grouped_mm, kernels, linear, quant  # modules, read at each call: tests patch their functions
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseOptions:
+    kernel: Literal["auto", "emulated", "scaled_mm", "triton", "deepgemm"] = option(
+        "auto", "blockwise FP8 kernels: auto = scaled_mm on sm_90, else Triton grouped GEMMs, emulated on CPU; "
+        "deepgemm on request")
+    wgrad_bf16: bool = option(
+        False, "keep the weight-gradient GEMM in BF16 under the blockwise recipe (forward and dgrad stay FP8)")
 
 
 class BlockwiseRecipe(Recipe):
     name = "blockwise"
-    ops_module = "moepass.ops.lowp.blockwise"
-    multiple = 128  # 1x128 tiles along K and N (and tokens, padded), 128x128 weight blocks
+    Options = BlockwiseOptions
+    multiple = quant.TILE  # 1x128 tiles along K and N (and tokens, padded), 128x128 weight blocks
     multiple_why = "blockwise FP8 scales 1x128 tiles and 128x128 weight blocks"
-    options = ("blockwise.kernel", "blockwise.wgrad_bf16")
 
     def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str | None, str]:
-        from moepass.ops.lowp.blockwise.kernels import KERNELS, choose_blockwise_kernel, kernel_problem
-
-        if requested not in ("auto", *KERNELS):
-            raise OptionsError(f"moepass: blockwise.kernel={requested!r} is not one of {['auto', *KERNELS]}")
+        if requested not in ("auto", *kernels.KERNELS):
+            raise OptionsError(f"moepass: blockwise.kernel={requested!r} is not one of {['auto', *kernels.KERNELS]}")
         grouped = kind == "grouped"
         if requested == "auto":
-            return choose_blockwise_kernel(device, grouped)
+            return kernels.choose_blockwise_kernel(device, grouped)
         if requested == "emulated":
             return "emulated", "blockwise.kernel='emulated' requested (dequantized operands, fp32 GEMM)"
         # DeepGEMM and the Triton kernels: grouped GEMMs only, linears on torch._scaled_mm
         kernel = "scaled_mm" if requested in ("deepgemm", "triton") and not grouped else requested
-        problem = kernel_problem(kernel, torch.device(device), grouped)
+        problem = kernels.kernel_problem(kernel, torch.device(device), grouped)
         if problem:
             raise OptionsError(f"moepass: blockwise.kernel={requested!r} requested but {problem}. "
                                "Use blockwise.kernel='auto' or 'emulated' on this device.")
@@ -56,13 +69,12 @@ class BlockwiseRecipe(Recipe):
 
     def decompositions(self, config) -> dict:
         """Kernel "scaled_mm" ops become their quantization in plain torch around an opaque GEMM op, so Inductor
-        fuses the quantization (ops/lowp/blockwise/decomp.py); no option changes the table."""
-        from moepass.ops.lowp.blockwise.decomp import blockwise_decompositions, register_inductor_fallbacks
-
-        from moepass.ops.lowp.grouped_mm_rows import rows_decompositions
-
-        register_inductor_fallbacks()
-        return {**blockwise_decompositions(), **rows_decompositions(self)}
+        fuses the quantization (decomp.py); no option changes the table."""
+        decomp.register_inductor_fallbacks(self)
+        return {**decomp.blockwise_decompositions(self), **rows_decompositions(self)}
 
 
 BLOCKWISE = BlockwiseRecipe()
+define_linear_ops(BLOCKWISE, linear.GEMMS)
+define_grouped_mm_ops(BLOCKWISE, grouped_mm.GEMMS)
+define_grouped_mm_rows_ops(BLOCKWISE, grouped_mm.GEMMS, grouped_mm.ROWS)

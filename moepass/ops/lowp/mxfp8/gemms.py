@@ -1,10 +1,10 @@
-"""The MXFP8 recipe's ops (moepass::mxfp8_linear, mxfp8_grouped_mm and their _dgrad / _wgrad; the op families are
-linear.py and grouped_mm.py; the recipe is moepass.recipes.mxfp8).
+"""The MXFP8 recipe's six GEMMs, which its recipe.py registers as moepass::mxfp8_linear, mxfp8_grouped_mm and their
+_dgrad / _wgrad through the op families (ops/lowp/linear.py, grouped_mm.py).
 
 Linears mirror torchao's mx_mm: y = x @ W.T + b with x and W quantized to MXFP8 along K; dgrad scales grad_out
 and W along N; wgrad scales grad_out and x along tokens (padded with zero rows to a multiple of 32).
 Grouped GEMMs are built on torchao's _compute_fwd / _compute_dgrad / _compute_wgrad, on token groups padded to
-multiples of 32 rows (mxfp8_token_groups); padding never reaches outputs or gradients.
+multiples of 32 rows (ops/lowp/token_group_padding.py); padding never reaches outputs or gradients.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moepass.recipes.mxfp8 import MXFP8
 from moepass.torchao_import import torchao_import
 
-from .formats import E4M3, MX_BLOCK
-from .grouped_mm import define_grouped_mm_ops
-from .grouped_wgrad_bf16 import as_transposed_layout
-from .linear import define_linear_ops
-from .mxfp8_kernels import check_settings, kernel_preference, scale_mode
-from .mxfp8_token_groups import pad_token_groups, plan_token_group_padding, unpad_token_groups
-from .op_recipe import RecipeGemms
+from ..formats import E4M3
+from ..grouped_wgrad_bf16 import as_transposed_layout
+from ..token_group_padding import pad_token_groups, plan_token_group_padding, unpad_token_groups
+from .kernels import kernel_preference, scale_mode
+
+BLOCK = 32  # one E8M0 scale per 32 e4m3 elements along the reduction dim (the recipe's `multiple`)
 
 # ---- linears
 
@@ -35,7 +33,7 @@ def _to_mx_along_rows(t: Tensor, scale_rounding: str, kernel: str):
         from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
-    return MXTensor.to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding), kernel_preference(kernel),
+    return MXTensor.to_mx(t.contiguous(), E4M3, BLOCK, scale_mode(scale_rounding), kernel_preference(kernel),
                           mxfp8_dim0_cast_kernel_choice=MXFP8Dim0CastKernelChoice.TRITON)
 
 
@@ -45,19 +43,19 @@ def _to_mx_along_cols(t: Tensor, scale_rounding: str, kernel: str):
         from torchao.prototype.mx_formats.config import MXFP8Dim1CastKernelChoice
         from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
 
-    return _to_mxfp8_dim1_kernel_wrapper(t.contiguous(), MX_BLOCK, E4M3, t.dtype, kernel_preference(kernel),
+    return _to_mxfp8_dim1_kernel_wrapper(t.contiguous(), BLOCK, E4M3, t.dtype, kernel_preference(kernel),
                                          MXFP8Dim1CastKernelChoice.CUDA, scale_mode(scale_rounding))
 
 
 def dequantized_rows(t: Tensor, scale_rounding: str) -> Tensor:
     """t [R, C] quantized to MXFP8 along C (1x32 blocks) and dequantized to t's dtype: torchao's emulated numerics
     (to_mx, then MXTensor.dequantize's e4m3 -> BF16 cast times the BF16 power-of-two scale; exact), in plain torch
-    so Inductor can fuse it (mxfp8_decomp.py)."""
+    so Inductor can fuse it (decomp.py)."""
     with torchao_import():
         from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
 
-    scale, q = to_mx(t.contiguous(), E4M3, MX_BLOCK, scale_mode(scale_rounding))
-    blocks = q.to(t.dtype).reshape(-1, MX_BLOCK) * get_fp_scale(scale).reshape(-1, 1).to(t.dtype)
+    scale, q = to_mx(t.contiguous(), E4M3, BLOCK, scale_mode(scale_rounding))
+    blocks = q.to(t.dtype).reshape(-1, BLOCK) * get_fp_scale(scale).reshape(-1, 1).to(t.dtype)
     return blocks.reshape(t.shape)
 
 
@@ -92,7 +90,7 @@ def linear_dgrad(grad_out: Tensor, weight: Tensor, scale_rounding: str, kernel: 
 
 def _pad_tokens(t: Tensor) -> Tensor:
     """[M, D] -> [round_up(M, 32), D] with zero rows: zeros add nothing to grad_out.T @ x."""
-    return F.pad(t, (0, 0, 0, -t.shape[0] % MX_BLOCK))
+    return F.pad(t, (0, 0, 0, -t.shape[0] % BLOCK))
 
 
 def linear_wgrad(grad_out: Tensor, x: Tensor, scale_rounding: str, kernel: str) -> Tensor:
@@ -114,8 +112,8 @@ def grouped_forward(x: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, k
     with torchao_import():
         from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_fwd
 
-    plan = plan_token_group_padding(offs, x.shape[0])
-    out = _compute_fwd(pad_token_groups(x, plan), as_transposed_layout(w_t), plan.padded_offs, MX_BLOCK,
+    plan = plan_token_group_padding(offs, x.shape[0], BLOCK)
+    out = _compute_fwd(pad_token_groups(x, plan), as_transposed_layout(w_t), plan.padded_offs, BLOCK,
                        torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
     return unpad_token_groups(out, plan)
 
@@ -125,9 +123,9 @@ def grouped_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: s
     with torchao_import():
         from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_dgrad
 
-    plan = plan_token_group_padding(offs, grad_out.shape[0])
+    plan = plan_token_group_padding(offs, grad_out.shape[0], BLOCK)
     grad_x = _compute_dgrad(pad_token_groups(grad_out, plan), as_transposed_layout(w_t), plan.padded_offs,
-                            MX_BLOCK, torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
+                            BLOCK, torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
     return unpad_token_groups(grad_x, plan)
 
 
@@ -136,11 +134,7 @@ def grouped_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, scale_rounding: str
     with torchao_import():
         from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_wgrad
 
-    plan = plan_token_group_padding(offs, x.shape[0])
+    plan = plan_token_group_padding(offs, x.shape[0], BLOCK)
     grad_w_t = _compute_wgrad(pad_token_groups(grad_out, plan), pad_token_groups(x, plan), plan.padded_offs,
-                              MX_BLOCK, torch.bfloat16, scale_mode(scale_rounding), False, kernel_preference(kernel))
+                              BLOCK, torch.bfloat16, scale_mode(scale_rounding), False, kernel_preference(kernel))
     return as_transposed_layout(grad_w_t)
-
-
-define_linear_ops(MXFP8, RecipeGemms(linear_forward, linear_dgrad, linear_wgrad, check_settings))
-define_grouped_mm_ops(MXFP8, RecipeGemms(grouped_forward, grouped_dgrad, grouped_wgrad, check_settings))

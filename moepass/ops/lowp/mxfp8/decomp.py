@@ -4,7 +4,7 @@ Kernel "emulated" quantizes each operand with torchao's to_mx, dequantizes it (e
 and runs a BF16 GEMM. Inside the opaque op that is eager torch, a dozen elementwise kernels per operand over fp32
 copies, the expert weights quantized again in every forward and dgrad: on an H200 at 16B dims, 2 layers, MXFP8's
 step took ~5x BF16's (360-377 ms against 68-77 ms), which priced MXFP8's numerics over seeds out of a device job.
-Decomposed by AOTAutograd, each op becomes the code its own body runs (mxfp8.py: dequantized_rows around torch.mm;
+Decomposed by AOTAutograd, each op becomes the code its own body runs (gemms.py: dequantized_rows around torch.mm;
 torchao's emulated grouped path around torch._grouped_mm, our token-group padding included), and Inductor fuses
 each operand's quantize-dequantize into one kernel (into its producer where it can). Same code eager and compiled,
 so the same bits (tests/gpu/test_mxfp8_ops_gpu.py checks the backend against the eager ops).
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 
-from moepass.recipes.mxfp8 import MXFP8
-
-from . import mxfp8
-from .inductor_fallbacks import gemm_decompositions, register_fallbacks
+from ..inductor_fallbacks import gemm_decompositions, register_fallbacks
+from . import gemms
 
 FUSED_ON = ("cuda",)  # device types whose emulated ops are decomposed (a test adds "cpu")
 
@@ -32,15 +30,16 @@ def _fused(args: tuple) -> bool:
     return args[-1] == "emulated" and args[0].device.type in FUSED_ON
 
 
-def mxfp8_decompositions() -> dict:
-    """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table."""
-    return gemm_decompositions(MXFP8, {
-        "linear": mxfp8.linear_forward, "linear_dgrad": mxfp8.linear_dgrad, "linear_wgrad": mxfp8.linear_wgrad,
-        "grouped_mm": mxfp8.grouped_forward, "grouped_mm_dgrad": mxfp8.grouped_dgrad,
-        "grouped_mm_wgrad": mxfp8.grouped_wgrad}, _fused)
+def mxfp8_decompositions(recipe) -> dict:
+    """{OpOverload: decomposition} of `recipe`'s (MXFP8's) ops for compile_fx(..., decompositions=...), merged over
+    Inductor's own table."""
+    return gemm_decompositions(recipe, {
+        "linear": gemms.linear_forward, "linear_dgrad": gemms.linear_dgrad, "linear_wgrad": gemms.linear_wgrad,
+        "grouped_mm": gemms.grouped_forward, "grouped_mm_dgrad": gemms.grouped_dgrad,
+        "grouped_mm_wgrad": gemms.grouped_wgrad}, _fused)
 
 
 @functools.lru_cache(maxsize=None)
-def register_inductor_fallbacks() -> None:
+def register_inductor_fallbacks(recipe) -> None:
     """Lowerings for the ops whose decomposition declines (CPU tensors, kernel "sm100")."""
-    register_fallbacks(mxfp8_decompositions())
+    register_fallbacks(mxfp8_decompositions(recipe))

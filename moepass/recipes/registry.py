@@ -1,0 +1,69 @@
+"""The low-precision recipes by name: what the `recipe` option picks among (besides "auto"), and what they add up to.
+
+Each recipe is a folder, moepass/ops/lowp/<name>/, whose recipe.py holds the object (base.Recipe) and registers its
+ops; this module imports every built-in folder's recipe and registers it. A recipe from elsewhere (a test's, a
+user's) joins with one call, `register(recipe)`, after importing its module; the options table, the `recipe` choices
+and `moepass options` then list it. Nothing under moepass/ops imports this module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
+from moepass.ops.lowp.fp8_rowwise.recipe import FP8_ROWWISE
+from moepass.ops.lowp.inductor_fallbacks import GEMM_OPS
+from moepass.ops.lowp.mxfp8.recipe import MXFP8
+
+from .base import Recipe
+
+RECIPES: dict[str, Recipe] = {}
+BUILT_IN = (MXFP8, FP8_ROWWISE, BLOCKWISE)  # in the `recipe` option's order
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Add `recipe` under its name: its ops must be registered (import its recipe module first), its options named
+    after it; `unregister(recipe.name)` takes it back."""
+    if recipe.name in RECIPES or recipe.name == "auto":
+        raise ValueError(f"a recipe named {recipe.name!r} is already registered: {RECIPES.get(recipe.name)!r}")
+    missing = [recipe.op_name(op) for op in GEMM_OPS if not hasattr(torch.ops.moepass, recipe.op_name(op))]
+    if missing:
+        raise ValueError(f"recipe {recipe.name!r}: ops {missing} are not registered (import its recipe module first)")
+    keys = {o.key for o in recipe.options}
+    if not {recipe.kernel_option, recipe.wgrad_option, *recipe.decomposition_options} <= keys:
+        raise ValueError(f"recipe {recipe.name!r}: its Options need fields kernel and wgrad_bf16 (and every "
+                         f"decomposition option); it declares {sorted(keys)}")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def unregister(name: str) -> Recipe:
+    """Remove the recipe registered under `name` (a test's, after use)."""
+    return RECIPES.pop(name)
+
+
+for _recipe in BUILT_IN:
+    register(_recipe)
+
+
+def settle(config, weights_sharded: bool):
+    """`config` with every recipe's "auto" decomposition options decided for one graph (Recipe.settle)."""
+    for recipe in RECIPES.values():
+        config = recipe.settle(config, weights_sharded)
+    return config
+
+
+def decompositions(config) -> dict:
+    """Every recipe's Inductor decompositions under `config` (moepass's own ops are their only keys)."""
+    return {op: fn for recipe in RECIPES.values() for op, fn in recipe.decompositions(config).items()}
+
+
+def cache_variant(config) -> str:
+    """What shapes compiled code beyond the graph and moepass's sources (the decompositions' options): for
+    CompiledGraphAudit's uuid; "" with every such option at its default."""
+    return "+".join(v for v in (recipe.cache_variant(config) for recipe in RECIPES.values()) if v)
+
+
+def decomposed_gemms() -> set[str]:
+    """The aten GEMMs the recipes' decompositions leave in compiled graphs (the audit reports them)."""
+    return {gemm for recipe in RECIPES.values() for gemm in recipe.decomposed_gemms}
