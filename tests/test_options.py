@@ -83,11 +83,16 @@ def test_options_table_lists_every_option():
     assert issubclass(OptionsError, ValueError)
 
 
-def test_readme_options_table_is_the_generated_one():
+def test_docs_options_table_is_the_generated_one():
+    import itertools
     import pathlib
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    assert options_table_markdown() in readme, "README options table is stale: paste the output of `moepass options`"
+    lines = (pathlib.Path(__file__).parent.parent / "docs" / "options.md").read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if "<!-- options-table" in line), len(lines))
+    table = "\n".join(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 1:]))
+    assert table == options_table_markdown(), (
+        "docs/options.md's table is stale: replace it (the lines after its `options-table` marker) with the output of "
+        "`python -c 'from moepass.options import options_table_markdown as t; print(t())'`")
 
 
 # ---------------------------------------------------------------- options checked before any pass runs
