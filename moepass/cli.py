@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.fn(args)
     except OptionsError as e:  # an options mistake is a usage error: exit 2 with the message, as argparse does
         parser.exit(2, f"moepass {args.command}: error: {str(e).removeprefix('moepass: ')}\n")
+    except BrokenPipeError:  # `moepass options | head`: the reader left; exit quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 1
     if args.command != "options":
         _say(f"done in {time.perf_counter() - start:.1f} s")
     return rc
