@@ -183,7 +183,8 @@ def _add_model_args(p: argparse.ArgumentParser, steps: int | None = None) -> Non
         p.add_argument("--lr", type=float, default=1e-3)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser, built without running anything (the docs test checks documented flags with it)."""
     parser = argparse.ArgumentParser(prog="moepass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="the main job: debug DeepSeek-V3, per-pass table, BF16 vs moepass training")
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=converge.cmd_converge)
     for p in sub.choices.values():
         _check_json_flags(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     start = time.perf_counter()
     from moepass.options import Config, OptionsError
@@ -211,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             Config.from_options(None)  # a bad $MOEPASS_OPTIONS fails here, before any model is built
         rc = args.fn(args)
     except OptionsError as e:  # an options mistake is a usage error: exit 2 with the message, as argparse does
-        sub.choices[args.command].exit(2, f"moepass {args.command}: error: {str(e).removeprefix('moepass: ')}\n")
+        parser.exit(2, f"moepass {args.command}: error: {str(e).removeprefix('moepass: ')}\n")
+    except BrokenPipeError:  # `moepass options | head`: the reader left; exit quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 1
     if args.command != "options":
         _say(f"done in {time.perf_counter() - start:.1f} s")
     return rc

@@ -8,8 +8,8 @@ on CPU), and the exact rewrite counts of FAMILIES below.
 Compiled with options={"inductor": False}: the passes rewrite the graph exactly as with Inductor, but the
 rewritten graph then runs eagerly, which keeps CI time low (Inductor-CPU compiles are the slow part).
 
-`python tests/integration/test_hf_families.py` prints the README's "families and their rewrite counts" table from a
-live run of every family.
+`python tests/integration/test_hf_families.py` prints docs/integrations.md's "families and their rewrite counts" table from a
+live run of every family; test_docs_table_holds_the_tested_counts keeps that table equal to FAMILIES.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import pathlib
 import warnings
 
 import pytest
@@ -215,7 +216,7 @@ def test_router_rule_off_shows_what_else_keeps_the_router_bf16(name, router_skip
 
 
 def families_table() -> str:
-    """The README's table, from a live run of every family."""
+    """docs/integrations.md's table, from a live run of every family."""
     rows = ["| family | MoE layers | grouped GEMMs rewritten | linears rewritten | linears kept BF16 (why) |",
             "|---|---|---|---|---|"]
     for name in FAMILIES:
@@ -224,6 +225,22 @@ def families_table() -> str:
         rows.append(f"| {name} | {run.moe_layers} | {run.pass_record('grouped_mm')['replaced']} | "
                     f"{run.pass_record('linear')['replaced']} | {kept} |")
     return "\n".join(rows)
+
+
+def test_docs_table_holds_the_tested_counts():
+    """docs/integrations.md's table says what FAMILIES asserts, family by family (no run: the tests above run them)."""
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in page.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in FAMILIES:
+            rows[cells[0]] = cells[1:]
+    assert sorted(rows) == sorted(FAMILIES)
+    for name, family in FAMILIES.items():
+        moe_layers, grouped, linears, kept = rows[name]
+        assert (int(moe_layers), int(grouped), int(linears)) == (
+            family.moe_layers, family.moe_layers * family.grouped_per_moe_layer, family.linears_rewritten), name
+        assert sorted(kept.split(", ")) == sorted(f"{n} {why}" for why, n in family.kept_bf16.items()), name
 
 
 if __name__ == "__main__":

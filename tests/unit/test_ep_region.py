@@ -327,7 +327,7 @@ def test_region_is_skipped_with_its_reason(change, sizes, anchor, reason):
     assert regions == []
     (skip,) = skips
     assert reason in skip.reason
-    documented = explain(skip)  # its code: the README's "what moepass will not rewrite" table has it
+    documented = explain(skip)  # its code: the left-alone table of docs/passes.md has it
     assert documented is not None and documented.passes == "deepep" and documented.phrase in skip.reason, skip
     a2as = _all_to_alls(gm)
     expected = {"counts": a2as[0], "tokens": a2as[-2], "combine": a2as[-1]}[anchor]

@@ -44,7 +44,7 @@ def test_ineligible_gemms_skipped_with_reasons_and_results_unchanged():
     assert codes == {"odd_k": SkipCode.NOT_A_MULTIPLE, "fp32": SkipCode.NOT_BF16, "kept": SkipCode.EXCLUDED,
                      "batched": SkipCode.NOT_MOE_FORM}
     for skip in _skips(report, "linear") + _skips(report, "grouped_mm"):
-        assert skip.code.phrase in skip.reason, skip  # documented in the README's table under its code
+        assert skip.code.phrase in skip.reason, skip  # documented in docs/passes.md's table under its code
     out = torch.compile(model, backend="moepass", options={"lowp.exclude": ["kept"]})(x)
     assert torch.isfinite(out)
 
@@ -58,11 +58,30 @@ def test_include_patterns_limit_the_rewrite():
     assert "matches no lowp.include pattern" in reasons["0"] and "output head" in reasons["3"]
 
 
-def test_readme_lists_what_moepass_leaves_alone_as_generated():
+def _generated_table(page: str, marker: str) -> str:
+    """The table right after `marker` in docs/`page`."""
+    import itertools
     import pathlib
 
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    assert left_alone_table_markdown() in readme, "stale: paste moepass.report.left_alone.left_alone_table_markdown()"
+    lines = (pathlib.Path(__file__).parents[2] / "docs" / page).read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if marker in line), len(lines))
+    return "\n".join(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 1:]))
+
+
+def skip_codes_markdown() -> str:
+    """docs/troubleshooting.md's lookup of a skip code by the name the report's coverage line gives."""
+    rows = ["| code | pass | reason contains | what you can do |", "|---|---|---|---|"]
+    rows += [f"| `{c.name}` | {c.passes} | `{c.phrase}` | {c.fix} |" for c in SkipCode]
+    return "\n".join(rows)
+
+
+def test_docs_list_what_moepass_leaves_alone_as_generated():
+    assert _generated_table("passes.md", "<!-- left-alone-table") == left_alone_table_markdown(), (
+        "docs/passes.md's table is stale: replace it (the lines after its `left-alone-table` marker) with the output "
+        "of `python -c 'from moepass.report.left_alone import left_alone_table_markdown as t; print(t())'`")
+    assert _generated_table("troubleshooting.md", "<!-- skip-codes-table") == skip_codes_markdown(), (
+        "docs/troubleshooting.md's table is stale: replace it (the lines after its `skip-codes-table` marker) with the "
+        "output of `python tests/unit/test_gemm_skips.py`")
 
 
 def test_zero_width_gemms_are_left_alone():
@@ -143,3 +162,7 @@ def test_tensor_parallel_layouts_the_ops_do_not_take_are_left_alone_with_their_c
         assert sharded_gemm("linear", operands(x, served)).layout == "colwise over tp (2 ranks)"
     finally:
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    print(skip_codes_markdown())

@@ -91,6 +91,32 @@ def test_readme_results_table_points_at_indexed_folders():
             assert _indexed(relative), f"README.md cites a result the index has no row for: {path}"
 
 
+FIGURE = re.compile(r"\d+(?:\.\d+)?[x%]|\d+\.\d+")
+
+
+def _source_text(relative: str) -> str:
+    """What a README results row may quote: the entry's index row and, for a folder, its own README."""
+    parts = relative.strip("/").split("/")
+    index, name = (ARCHIVE, parts[1]) if parts[0] == "archive" and len(parts) > 1 else (RESULTS, parts[0])
+    rows = [line for line in (index / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("|") and len(_cells(line)) > 1 and f"`{name}" in _cells(line)[1]]
+    folder = index / name / "README.md"
+    return "\n".join(rows) + ("\n" + folder.read_text(encoding="utf-8") if folder.exists() else "")
+
+
+def test_readme_results_figures_come_from_their_results():
+    """Every figure of a README results row (1.268x, 0.24%, 0.963) is written in the index row or folder it links."""
+    rows = [line for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("|") and "examples/results/" in line]
+    unsourced = []
+    for row in rows:
+        *claims, where = _cells(row)
+        paths = re.findall(r"examples/results/([^)`\s]+)", where)
+        sources = "\n".join(_source_text(p) for p in paths)
+        unsourced += [f"{figure} ({paths})" for figure in FIGURE.findall(" | ".join(claims)) if figure not in sources]
+    assert unsourced == [], "README.md quotes figures its result rows do not hold"
+
+
 def test_cited_result_paths_exist():
     sources = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
     for tree in ("moepass", "passes", "tests"):
