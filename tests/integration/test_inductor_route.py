@@ -309,11 +309,18 @@ def test_torchtitan_override_installs_the_route_and_claims_no_model_node():
     assert config.compile.backend == "inductor"
 
 
+@pytest.fixture
+def dynamo_flags_restored():
+    """apply_compile turns capture_scalar_outputs on for the whole process: restored after the test, or later tests in
+    this process trace `.tolist()` loops differently (DeepSeek's reference MoE in test_unseen_models.py). Not with
+    monkeypatch: pytest 9 restores a module attribute missing from its __dict__ with delattr, which hides a torch
+    config entry for the rest of the process ("torch._dynamo.config.capture_scalar_outputs does not exist")."""
+    with torch._dynamo.config.patch(capture_scalar_outputs=torch._dynamo.config.capture_scalar_outputs):
+        yield
+
+
 @needs_torchtitan
-def test_torchtitan_deepseek_v3_debugmodel_with_flex_through_apply_compile(monkeypatch):
-    # apply_compile turns capture_scalar_outputs on for the whole process: restored after this test, or later tests
-    # in this process trace `.tolist()` loops differently (DeepSeek's reference MoE in test_unseen_models.py)
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", torch._dynamo.config.capture_scalar_outputs)
+def test_torchtitan_deepseek_v3_debugmodel_with_flex_through_apply_compile(dynamo_flags_restored):
     from realstack.torchtitan_ep import point_torchtitan_at_cpu
     from torchtitan.config import ConfigManager
     from torchtitan.config.override import apply_overrides
