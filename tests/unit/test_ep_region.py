@@ -453,7 +453,7 @@ def test_at_671b_dims_with_ep2_the_experts_follow_the_table_measured_on_received
     assert recipe == "bf16" and "tokens per expert unknown" in why  # no exchange upstream: as before
 
 
-# every grouped GEMM on received rows in the EP catalog (blocks written apart from the pass, tests/independent)
+# every grouped GEMM on received rows in the EP catalog (blocks written apart from the pass, tests/fixtures/independent)
 # expects T*K rows; where the rows sent are data dependent too (masked_select) there is nothing to expect before
 # the deepep rewrite (after it, moepass::ep_dispatch's ids give T*K)
 _NOTHING_TO_EXPECT = {"MegatronMaskedSelectSortChunks", "CapacityDroppingDispatch", "SenderPaddedGroups"}
