@@ -299,7 +299,7 @@ EXTENDED = pytest.mark.extended
     (4, "reference", "none", False),
     (4, "fp8_dispatch", "full", False),
     (4, "reference", "selective", True),
-    (8, "reference", "none", False),
+    pytest.param(8, "reference", "none", False, marks=EXTENDED),  # 8 rank processes on CI's 2 cores: a minute
     pytest.param(8, "fp8_dispatch", "selective", False, marks=EXTENDED),
     pytest.param(8, "reference", "full", True, marks=EXTENDED),
     pytest.param(16, "reference", "none", False, marks=EXTENDED),

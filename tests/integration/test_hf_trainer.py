@@ -118,6 +118,7 @@ def test_trainer_through_the_inductor_route_matches_plain_inductor(name, tmp_pat
     assert grad_norms == pytest.approx(base_grad_norms, rel=GRAD_NORM_RTOL)
 
 
+@pytest.mark.extended  # CI keeps the documented route above and this route's remove_unused_columns check below
 def test_trainer_with_a_model_compiled_by_moepass(tmp_path):
     """The model compiled with backend="moepass" before Trainer sees it (Inductor off to keep CI fast: the passes
     rewrite the same graph); Trainer leaves a compiled model alone. Losses within the recipe's noise of eager."""
