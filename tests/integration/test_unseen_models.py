@@ -220,6 +220,7 @@ def test_torchtune_moe_trains_with_its_expert_matmuls_rewritten():
     assert {use.weight for use in experts} == {"gate_proj", "up_proj", "down_proj"}
 
 
+@pytest.mark.extended  # a minute on CI's 2 cores; CI keeps the grouped_mm default (tests/integration/test_hf_families.py)
 def test_hf_eager_experts_loop_runs_eagerly_and_the_report_says_so():
     got = check_against_eager("hf_deepseek_v3_eager_experts")
     first = got.reports[0]

@@ -1,6 +1,6 @@
 """A report that reads at any depth: identical layers folded into one line, the coverage first, details one click
-away. DeepSeek-V3's 61 layers (3 dense, tiny dims) give a page under 200 KB whose first screen is the coverage; under
-`-m extended` headless Chromium renders it (skipped without a browser)."""
+away. Under `-m extended`: DeepSeek-V3's 61 layers (3 dense, tiny dims) give a page under 200 KB whose first screen is
+the coverage, and headless Chromium renders it (skipped without a browser)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ def deepseek_61_layers(tmp_path_factory):
     return report, pathlib.Path(report.save(str(out)))
 
 
+@pytest.mark.extended  # building and inspecting 61 layers takes a minute on CI's 2 cores; the folding is tested above
 def test_the_61_layer_page_is_small_and_opens_on_the_coverage(deepseek_61_layers):
     report, page = deepseek_61_layers
     text = page.read_text()
