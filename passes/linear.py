@@ -24,13 +24,13 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from moepass.analysis import module_paths
 from moepass.analysis.gemm_spellings import KN, NK, parameter_gemm
-from moepass.analysis.gemms import Scopes, op_short_name
+from moepass.analysis.gemms import Scopes
 from moepass.analysis.output_head import head_sign
 from moepass.analysis.weight_parameter import weight_parameter
 from moepass.analysis.scopes import Scope, dataflow
 from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.analysis.torchao_converted import left_to_torchao, skip_torchao_gemm_calls, taken_from_torchao
-from moepass.analysis.graph import example_value, insert_call, is_gemm, reaches, tensor_meta
+from moepass.analysis.graph import example_value, insert_call, is_gemm, op_short_name, reaches, tensor_meta
 from moepass.analysis.node_module import module_path
 from moepass.analysis.gemm_rules import dtype_problem, module_filter_problem
 from moepass.recipes.plan import apply_plan, plan_gemm

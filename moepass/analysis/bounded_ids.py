@@ -17,7 +17,7 @@ import operator
 import torch
 from torch import fx
 
-from moepass.analysis.graph import example_value, node_arg, static_int, tensor_meta, written_buffer
+from moepass.analysis.graph import example_value, node_arg, op_short_name, static_int, tensor_meta, written_buffer
 from .dtensors import is_local_view, local_value
 
 _MAX_STEPS = 64  # producers followed before giving up (chains of views and casts are short)
@@ -46,20 +46,6 @@ _CASTS = {"to", "long", "int", "short", "float", "double", "half", "bfloat16", "
 _REMAINDERS = {"remainder", "mod", "__mod__"}
 _FLOOR_DIVISIONS = {"floordiv", "floor_divide", "__floordiv__"}
 _CLAMPS = {"clamp", "clip"}
-
-
-def op_short_name(node: fx.Node) -> str:
-    """`topk` for `x.topk(...)`, `torch.topk`, `aten.topk.default` alike; `getitem`, `mod` for operators."""
-    if node.op == "call_method":
-        return node.target
-    if node.op != "call_function":
-        return node.op
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._opname
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
 
 
 def ids_bound(node) -> IdsBound:

@@ -17,7 +17,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from moepass.analysis.graph import ancestors, graph_order, node_arg, static_int, tensor_meta
-from .bounded_ids import ids_bound, op_short_name
+from .bounded_ids import ids_bound
+from .graph import op_short_name
 from .dtensors import local_value
 
 

@@ -15,7 +15,7 @@ import re
 import torch
 from torch import fx, nn
 
-from moepass.analysis.graph import example_value, is_grouped_mm, is_linear, is_matmul, tensor_meta
+from moepass.analysis.graph import example_value, op_short_name, is_grouped_mm, is_linear, is_matmul, tensor_meta
 from moepass.analysis.op_registry import gemm_role, is_rows_form
 
 from .scopes import Scope, graph_scopes, hop_name, operand_index
@@ -40,16 +40,6 @@ _WEIGHT_VIEWS = {"view", "reshape", "t", "transpose", "permute", "contiguous", "
                  "view_as", "reshape_as", "movedim", "swapaxes", "swapdims", "repeat", "stack", "cat", "T", "mT",
                  "to_local", "redistribute", "full_tensor", "from_local", "wait_tensor", "all_gather_into_tensor",
                  "_to_copy", "alias", "_unsafe_view"}
-
-
-def op_short_name(node: fx.Node) -> str | None:
-    """`einsum`, `matmul`, `t`: the name of what a node calls, however spelled (method, function, aten op)."""
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", None) or getattr(node.target, "_opname", None)
-        return name.split(".")[0] if isinstance(name, str) else None
-    return None
 
 
 def gemm_kind(node: fx.Node) -> str | None:

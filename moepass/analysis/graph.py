@@ -86,6 +86,21 @@ def matches_any(path: str, patterns: Iterable[str]) -> str | None:
     return None
 
 
+def op_short_name(node: fx.Node) -> str:
+    """`topk` for `x.topk(...)`, `torch.topk`, `aten.topk.default` alike; `getitem`, `mod` for operators;
+    the node kind (`placeholder`, `get_attr`, ...) for a node that calls nothing."""
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return node.op
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._opname
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
 def op_name(node: fx.Node) -> str:
     """A short readable name for histograms: `linear`, `_grouped_mm`, `Tensor.view`, `moepass.mxfp8_linear`."""
     if node.op == "call_method":

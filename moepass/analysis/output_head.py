@@ -21,7 +21,8 @@ from torch import fx, nn
 from moepass.analysis.graph import tensor_meta
 from moepass.analysis.module_paths import WRAPPER_ATTRS, ModuleIndex
 
-from .gemms import Scopes, op_short_name, weight_source
+from .gemms import Scopes, weight_source
+from .graph import op_short_name
 from .weight_parameter import WeightParameter
 
 _LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "log_softmax",

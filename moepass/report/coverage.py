@@ -25,10 +25,10 @@ from collections import Counter
 import torch
 from torch import fx
 
-from ..analysis.gemms import MAYBE, Scopes, gemm_kind, gemm_operands, op_short_name, parameter_name, weight_source
+from ..analysis.gemms import MAYBE, Scopes, gemm_kind, gemm_operands, parameter_name, weight_source
 from ..analysis.scopes import Scope
 from ..analysis.symbols import backed_values
-from ..analysis.graph import example_int, is_grouped_mm, op_name, tensor_meta
+from ..analysis.graph import example_int, op_short_name, is_grouped_mm, op_name, tensor_meta
 from ..analysis.node_module import module_path
 
 try:  # Dynamo wraps backend errors in BackendCompilerFailed unless they are ShortenTraceback
