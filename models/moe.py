@@ -59,6 +59,12 @@ class TopKRouter(nn.Module):
         return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
+def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs run in: BF16 inside an autocast region (torch._grouped_mm's one low-precision
+    dtype), else x's."""
+    return torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts as 3-D weights, run with torch._grouped_mm over expert-major rows.
 
@@ -76,11 +82,18 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(last - first, hidden_dim, dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [R, D] sorted by local expert, tokens_per_expert [E_local] -> [R, D]."""
+        """x [R, D] sorted by local expert, tokens_per_expert [E_local] -> [R, D] in x's dtype.
+
+        Under autocast the GEMMs run in BF16 with their operands cast here, as torchtitan's experts cast them:
+        autocast does not cast torch._grouped_mm. Elsewhere they run in x's dtype, uncast."""
         offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)  # group ends
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        dtype = _grouped_mm_dtype(x)
+        w1, w2, w3 = (w if w.dtype == dtype else w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        x_e = x if x.dtype == dtype else x.to(dtype)
+        gate = torch._grouped_mm(x_e, w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(x_e, w3.transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def shard_(self, ep_rank: int, ep_size: int) -> None:
         """Keep only ep_rank's experts of a full (unsharded) module."""

@@ -9,6 +9,9 @@ rewritten, or left alone with its reason (a batched product per head or expert h
 the MoE router gate (a linear whose output feeds top-k selection) and the output head (moepass.analysis.output_head:
 known by the vocabulary, tied weights, the loss, or the model's return) stay BF16, as in the MXFP8 recipes that
 trained at scale.
+A linear runs in BF16 when its operands are BF16 or when a BF16 autocast region casts them (FP32 master weights:
+moepass.analysis.autocast): the op then takes the FP32 weight itself, and the activation and bias cast as autocast
+casts them (moepass.analysis.bf16_operands).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from moepass.analysis.sharded_gemm import sharded_gemm
 from moepass.analysis.torchao_converted import left_to_torchao, skip_torchao_gemm_calls, taken_from_torchao
 from moepass.analysis.graph import example_value, insert_call, is_gemm, op_short_name, reaches, tensor_meta
 from moepass.analysis.node_module import module_path
-from moepass.analysis.gemm_rules import dtype_problem, module_filter_problem
+from moepass.analysis.gemm_rules import module_filter_problem
+from moepass.analysis.autocast import Bf16Gemm, gemm_precision
+from moepass.analysis.bf16_operands import cast_to_bf16, erase_unused, without_bf16_copy
 from moepass.recipes.plan import apply_plan, plan_gemm
 from moepass.report.skips import Reason, SkipCode
 
@@ -101,9 +106,9 @@ def _role(g, node: fx.Node, n, gm: fx.GraphModule, weight: fx.Node, scopes: Scop
                             for d in downstream)
     if leaves_unfollowed or any(is_gemm(d) or _is_residual_add(d, numel) for d in downstream):
         return None, ""
-    sign = head_sign(downstream, n, weight_parameter(weight, scopes, index), gm, scopes, index)
+    sign = head_sign(g, node, weight, downstream, n, weight_parameter(weight, scopes, index), gm, scopes, index)
     if sign is not None:
-        return "output_head", sign.why
+        return ("output_head" if sign.head else None), sign.why
     return None, "the last GEMM of its graph, with no sign of the output head (loss, vocabulary, tied weight, return)"
 
 
@@ -132,7 +137,8 @@ def _scope_linears(scope: Scope, g, gm: fx.GraphModule, scopes: Scopes, index) -
     return matches
 
 
-def _problem(m: LinearMatch, config) -> Reason | None:
+def _problem(m: LinearMatch, config) -> Reason | Bf16Gemm:
+    """Why the linear stays as it is, or its operands as the op takes them (BF16 as held, or by autocast)."""
     problem = left_to_torchao(m.node, config) or m.problem  # what the user converted with torchao stays theirs
     if problem:
         return problem
@@ -145,15 +151,15 @@ def _problem(m: LinearMatch, config) -> Reason | None:
     problem = module_filter_problem(m.module, config)
     if problem:
         return problem
+    bias = m.bias if isinstance(m.bias, fx.Node) else None
+    precision = gemm_precision(m.node, m.scope, "the linear", {"activation": m.x, "weight": m.weight, "bias": bias})
+    if isinstance(precision, Reason):
+        return precision
     x, w = tensor_meta(m.x), tensor_meta(m.weight)
-    problem = dtype_problem(activation=x, weight=w) or (
-        dtype_problem(bias=tensor_meta(m.bias)) if isinstance(m.bias, fx.Node) else None)
-    if problem:
-        return problem
     if w.dim() != 2 or x.dim() < 2:
         return Reason(SkipCode.NOT_2D_WEIGHT, f"weight is {w.dim()}-D and activation {x.dim()}-D; expected a 2-D "
                                               "weight and >= 2-D activation")
-    return None
+    return precision
 
 
 def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
@@ -165,10 +171,21 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
     log.debug("linear: %d rewritten, %d skipped", len(record.rewrites), len(record.skipped))
 
 
-def _normalised_operands(m: LinearMatch) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
-    """(x, W as [N, K], the nodes inserted for them): the permute and transpose views the rewrite reads."""
+def _normalised_operands(m: LinearMatch, precision: Bf16Gemm) -> tuple[fx.Node, fx.Node, fx.Node | None,
+                                                                          list[fx.Node]]:
+    """(x, W as [N, K], bias, the nodes inserted for them): the casts autocast makes at dispatch (activation, bias),
+    the float32 weight where the graph reads a BF16 copy of it, and the permute and transpose views the rewrite
+    reads."""
     graph, added = m.scope.graph, []
-    x, w = m.x, m.weight
+    x, w, bias = m.x, without_bf16_copy(graph, m.weight, m.node), m.bias
+    if w is not m.weight:
+        added.append(w)
+    if "activation" in precision.cast:
+        x = cast_to_bf16(graph, x, m.node)
+        added.append(x)
+    if "bias" in precision.cast:
+        bias = cast_to_bf16(graph, bias, m.node)
+        added.append(bias)
     with graph.inserting_before(m.node):
         if m.x_order is not None:
             x = insert_call(graph, torch.permute, (x, m.x_order), tensor_meta(x).permute(m.x_order), m.node)
@@ -176,7 +193,7 @@ def _normalised_operands(m: LinearMatch) -> tuple[fx.Node, fx.Node, list[fx.Node
         if m.layout == KN:
             w = insert_call(graph, torch.t, (w,), tensor_meta(w).t(), m.node)
             added.append(w)
-    return x, w, added
+    return x, w, bias, added
 
 
 def _rewrite(m: LinearMatch, config, record, scopes: Scopes) -> None:
@@ -184,12 +201,12 @@ def _rewrite(m: LinearMatch, config, record, scopes: Scopes) -> None:
     # from another, `b(a(x))`), and the match recorded the node it replaced
     now = parameter_gemm(m.node, scopes)
     m = dataclasses.replace(m, x=now.x, bias=now.bias) if now is not None else m
-    problem = _problem(m, config)
-    if problem:
-        record.skip(m.node, m.module, problem)
+    precision = _problem(m, config)
+    if isinstance(precision, Reason):
+        record.skip(m.node, m.module, precision)
         return
-    x_node, w_node, added = _normalised_operands(m)
-    sharded = sharded_gemm("linear", [x_node, w_node, m.bias])
+    x_node, w_node, bias, added = _normalised_operands(m, precision)
+    sharded = sharded_gemm("linear", [x_node, w_node, bias])
     if isinstance(sharded, Reason):
         _erase(m.scope.graph, added)
         record.skip(m.node, m.module, sharded.plus(" (the weight read transposed, as [N, K])")
@@ -207,17 +224,25 @@ def _rewrite(m: LinearMatch, config, record, scopes: Scopes) -> None:
     spelled = "" if m.spelling == "linear" else f" (from {m.spelling}{', W read [K, N]' if m.layout == KN else ''})"
     note = f"; {m.why}, so eligible" if m.why and m.role is None else ""
     moved = _output_in_order(m)
-    apply_plan(record, m.scope.graph, m.node, m.module, plan, (x_node, w_node, m.bias),
-               f"K={k} N={n}{shards}{spelled}{note}{taken_from_torchao(m.node)}")
+    apply_plan(record, m.scope.graph, m.node, m.module, plan, (x_node, w_node, bias),
+               f"K={k} N={n}{shards}{spelled}{note}{precision}{_weight_note(m, w_node)}"
+               f"{taken_from_torchao(m.node)}")
+    erase_unused(m.scope.graph, m.weight)  # the BF16 copy of a float32 weight, where the op reads the weight itself
     if moved is not None:  # the op's output holds N last; the einsum's user reads it where the einsum put it
         op = moved.args[0]
         op.meta["example_value"] = tensor_meta(moved).movedim(m.n_dim, -1)
         op.meta.pop("val", None)
 
 
+def _weight_note(m: LinearMatch, w_node: fx.Node) -> str:
+    w = tensor_meta(w_node)
+    return f"; W read in {w.dtype} (quantized from it, no BF16 copy)" if w.dtype != torch.bfloat16 else ""
+
+
 def _erase(graph: fx.Graph, added: list[fx.Node]) -> None:
-    for node in reversed(added):  # the views inserted for a rewrite that is not made
-        graph.erase_node(node)
+    for node in reversed(added):  # the casts and views inserted for a rewrite that is not made
+        if not node._erased:  # erase_unused may have taken it with a view inserted after it
+            erase_unused(graph, node)
 
 
 def _output_in_order(m: LinearMatch) -> fx.Node | None:

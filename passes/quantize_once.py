@@ -8,7 +8,9 @@ scales along the same chain of gathers, and runs the expert GEMM as moepass::<re
 quantized instead of T * top_k, once for w1 and w3 alike, half the bytes gathered, and FP8 rows saved for the
 backward instead of BF16 ones (ops/lowp/grouped_mm_rows.py says what that means for the wgrad). The forward and the
 dgrad are bit-equal to the grouped_mm pass's ops. GEMMs whose input is no gather get the rows form too (x quantized
-where it is, saved in FP8 once for w1 and w3).
+where it is, saved in FP8 once for w1 and w3). Under autocast the rows may be float32 and cast to bfloat16 after the
+gather (`x[idx].bfloat16()`, as torchtitan's experts write it): the cast commutes with the gather, so the T token rows
+are cast once, quantized, and then gathered.
 
 Under expert parallelism the source is the rows moepass::ep_dispatch received (the deepep pass ran). When nothing but
 such GEMMs reads those rows (through gathers) and they keep FP8 rows for the backward, the quantization moves before
@@ -136,28 +138,51 @@ def _keeps_fp8_rows(saved_rows: str, form, wgrad_bf16) -> bool:
     return saved_rows == "fp8"
 
 
-def _quantized_rows(emit: Emitter, x: fx.Node, form, settings: tuple, kernel: str, quantized: dict):
-    """(q, scale) nodes of x's rows, and how many gathers they were moved before: quantize the source of x's chain of
-    row gathers (and no-op casts), then replay each gather on q and scale (nodes shared with every GEMM reading the
-    same rows)."""
-    key = (x, settings, kernel)
+def _quantized_rows(emit: Emitter, x: fx.Node, form, settings: tuple, kernel: str, quantized: dict,
+                    cast: bool = False):
+    """(q, scale) nodes of x's rows (of x cast to bfloat16 when `cast`), and how many gathers they were moved
+    before: quantize the source of x's chain of row gathers (and casts), then replay each gather on q and scale
+    (nodes shared with every GEMM reading the same rows)."""
+    key = (x, settings, kernel, cast)
     if key in quantized:
         return quantized[key]
     same = same_rows_as(x)
-    if same is not None:  # a no-op cast: its rows' quantization is its input's
-        result = quantized[key] = _quantized_rows(emit, same, form, settings, kernel, quantized)
+    widened = bf16_rows_of(x)
+    if widened is not None and gathered_from(widened) is None and same_rows_as(widened) is None:
+        widened = None  # no gather to move the cast before: the cast rows are quantized where they are
+    if same is not None or widened is not None:  # a no-op cast, or a cast to bf16 (which commutes with a gather)
+        result = _quantized_rows(emit, same if same is not None else widened, form, settings, kernel, quantized,
+                                 cast or same is None)
+        quantized[key] = result
         return result
     found = gathered_from(x)
     if found is None:
         source = emit("detach", x, method=True)  # a quantization has no gradient: the GEMM's x carries it
+        if cast:  # float32 rows under autocast: cast once, here, before any gather
+            source = emit("to", source, torch.bfloat16, method=True)
         quant = emit(form.quantize.default, source, *settings, kernel)
         result = (emit(operator.getitem, quant, 0), emit(operator.getitem, quant, 1), 0)
     else:
         source, index = found
-        q, scale, gathers = _quantized_rows(emit, source, form, settings, kernel, quantized)
+        q, scale, gathers = _quantized_rows(emit, source, form, settings, kernel, quantized, cast)
         result = (emit(operator.getitem, q, index), emit(operator.getitem, scale, index), gathers + 1)
     quantized[key] = result
     return result
+
+
+def bf16_rows_of(node: fx.Node) -> fx.Node | None:
+    """The float32 rows `node` casts to bfloat16 (`x.bfloat16()`, `x.to(torch.bfloat16)`, as models running their
+    grouped GEMMs under autocast write it), same shape; else None."""
+    if node.op != "call_method" or node.target not in ("to", "bfloat16", "type_as") or not node.args:
+        return None
+    source, out = node.args[0], tensor_meta(node)
+    src = tensor_meta(source)
+    if src is None or out is None or src.dtype != torch.float32 or out.dtype != torch.bfloat16 \
+            or tuple(src.shape) != tuple(out.shape):
+        return None
+    if node.target == "to" and any(not isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return None  # a device move or a memory-format change: not these rows' bytes, leave it
+    return source
 
 
 # ---------------------------------------------------------------- before an EP dispatch

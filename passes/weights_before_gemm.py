@@ -29,6 +29,7 @@ import operator
 import torch
 from torch import fx
 
+from moepass.analysis import autocast
 from moepass.analysis.dtensors import is_dtensor
 from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.torchao_converted import left_to_torchao
@@ -64,7 +65,8 @@ def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
                 detail = f"{weight.name} scales the {list(x.shape)} input, not the {list(out.shape)} output"
                 before = set(scope.graph.nodes)
                 try:
-                    _move_weight(scope.graph, node, chain, mul, weight)
+                    with autocast.replay(node, scope):  # the GEMM's copy runs in the autocast region it ran in
+                        _move_weight(scope.graph, node, chain, mul, weight)
                 except Exception as error:  # a moepass problem never fails the user's compile
                     log.warning("weights_before_gemm: left %s alone: %r", node.name, error, exc_info=True)
                     for added in reversed([n for n in scope.graph.nodes if n not in before]):

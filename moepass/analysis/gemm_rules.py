@@ -1,12 +1,11 @@
 """Eligibility rules shared by the two low-precision GEMM passes (linear and grouped_mm).
 
 Each rule returns None when a GEMM may be rewritten, else the Reason it stays, which a user can act on. What a
-recipe's kernels take (K and N alignment) is the recipe's own rule (moepass.recipes.base.Recipe.shape_problem).
+recipe's kernels take (K and N alignment) is the recipe's own rule (moepass.recipes.base.Recipe.shape_problem); the
+precision a GEMM runs in (BF16 as held, BF16 by autocast, or not) is moepass.analysis.autocast.gemm_precision.
 """
 
 from __future__ import annotations
-
-import torch
 
 from .graph import matches_any
 from ..options import Config
@@ -20,14 +19,4 @@ def module_filter_problem(path: str, config: Config) -> Reason | None:
     if matches_any(path, config["lowp.include"]) is None:
         return Reason(SkipCode.NOT_INCLUDED,
                       f"module path {path!r} matches no lowp.include pattern {list(config['lowp.include'])}")
-    return None
-
-
-def dtype_problem(**tensors: torch.Tensor | None) -> Reason | None:
-    for name, t in tensors.items():
-        if t is None:
-            return Reason(SkipCode.NO_METADATA, f"{name} has no recorded tensor metadata")
-        if t.dtype != torch.bfloat16:
-            return Reason(SkipCode.NOT_BF16, f"{name} is {t.dtype}, not bfloat16 (the low-precision GEMM passes "
-                                             "rewrite BF16 GEMMs only)")
     return None

@@ -1,4 +1,5 @@
-"""Every GEMM left in a rewritten graph, accounted for, and the share of GEMM work that runs in low precision.
+"""Every GEMM left in a rewritten graph (and every opaque call reading a weight), accounted for, and the share of GEMM
+work that runs in low precision.
 
 After the passes ran, each GEMM node of the graph and of its HOP bodies is exactly one of:
     low_precision  a moepass GEMM op (moepass.analysis.op_registry), a GEMM already FP8 (torch._scaled_mm), or one a pass
@@ -8,6 +9,9 @@ After the passes ran, each GEMM node of the graph and of its HOP bodies is exact
     not_weight     no operand is read from a parameter: activation @ activation (attention scores `q @ k.T`, SDPA);
                    listed, but outside the coverage: nothing to quantize a weight of
     unaccounted    a GEMM on a parameter that no pass rewrote or gave a reason for: a bug, shown, never dropped
+An opaque call that reads a weight (moepass.analysis.opaque_ops: a custom op, an allow_in_graph autograd.Function) is
+listed too: as its pass judged it where moepass reads it as the GEMM it is (transformers::grouped_mm_fallback), else
+kept with code OPAQUE_WEIGHT_OP and a reason naming the op (its GEMMs are out of moepass's sight, and run as written).
 FLOPs count a GEMM's forward and both backward GEMMs: 3 x 2*M*N*K (a grouped GEMM's M is its total rows; a symbolic
 size by its hint, a data-dependent one by the rows an EP exchange sends, else Inductor's unbacked fallback).
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from collections import Counter
 
@@ -26,6 +31,9 @@ import torch
 from torch import fx
 
 from ..analysis.gemms import MAYBE, Scopes, gemm_kind, gemm_operands, parameter_name, weight_source
+from ..analysis.opaque_grouped_mm import grouped_mm_op
+from ..analysis.opaque_ops import OpaqueWeightRead, opaque_weight_read
+from ..analysis.torchao_converted import torchao_conversion
 from ..analysis.scopes import Scope
 from ..analysis.symbols import backed_values
 from ..analysis.graph import example_int, op_short_name, is_grouped_mm, op_name, tensor_meta
@@ -35,6 +43,8 @@ try:  # Dynamo wraps backend errors in BackendCompilerFailed unless they are Sho
     from torch._dynamo.exc import ShortenTraceback as _PassThrough
 except ImportError:  # pragma: no cover
     _PassThrough = RuntimeError
+
+log = logging.getLogger(__name__)
 
 LOW_PRECISION, BF16, NOT_WEIGHT, UNACCOUNTED = "low_precision", "bf16", "not_weight", "unaccounted"
 # BF16 reasons that are not a pass's skip code (moepass.report.skips): why each is BF16, and what to do about it
@@ -46,6 +56,7 @@ NOT_SKIP_CODES = {
 }
 STRICT_ENV = "MOEPASS_STRICT_GEMMS"
 TORCHAO = "TORCHAO_CONVERTED"  # the skip code of a GEMM left to torchao: low precision, run by torchao's recipe
+OPAQUE = "OPAQUE_WEIGHT_OP"  # the code of an opaque call reading a weight that no pass judged: listed, kept as is
 _PRECISION_PASSES = ("linear", "grouped_mm", "both")  # a skip from these (or with a code of theirs) decides precision
 
 @dataclasses.dataclass
@@ -54,9 +65,9 @@ class GemmUse:
     node: str  # its name, `<body>/<node>` inside a HOP body
     module: str  # module path of the node ('' at top level)
     weight: str  # the parameter it reads ("w1", "weight"), '' when none
-    op: str  # "moepass.mxfp8_linear", "matmul", "einsum", ...
+    op: str  # "moepass.mxfp8_linear", "matmul", "einsum", "transformers.grouped_mm_fallback", ...
     status: str  # LOW_PRECISION, BF16, NOT_WEIGHT or UNACCOUNTED
-    code: str = ""  # BF16: the skip code (SkipCode name)
+    code: str = ""  # BF16: the skip code (SkipCode name; OPAQUE_WEIGHT_OP for an opaque call no pass judged)
     by: str = ""  # the pass that rewrote it or left it alone ('' when none)
     flops: int = 0  # forward + dgrad + wgrad
     lowp_flops: int = 0  # of those, run in low precision
@@ -193,13 +204,17 @@ def census(gm: fx.GraphModule, passes) -> list[GemmUse]:
         if scope.kind.endswith("backward"):
             continue  # an autograd.Function's backward GEMMs: counted as its forward GEMMs' backward
         for node in scope.graph.nodes:
-            kind = gemm_kind(node)
+            kind, opaque = gemm_kind(node), None
             if kind is None and _skip_code(records, scope.qualified(node.name)) == TORCHAO:
                 kind = "torchao"  # an opaque torchao GEMM call a pass listed
             if kind is None:
+                opaque = _opaque_read(node, scopes)
+                kind = None if opaque is None else "opaque"  # a custom op or autograd.Function reading a weight
+            if kind is None:
                 continue
             try:
-                found.append(_use(node, kind, scope, scopes, sizes, records))
+                found.append(_use(node, kind, scope, scopes, sizes, records) if opaque is None else
+                             _opaque_use(node, opaque, scope, scopes, sizes, records))
             except Exception as e:  # noqa: BLE001  (the census never fails a compile: the GEMM shows instead)
                 found.append(GemmUse(scope.qualified(node.name), module_path(node), "", op_name(node), UNACCOUNTED,
                                      note=f"could not be read ({type(e).__name__}: {e})"))
@@ -244,6 +259,44 @@ def _use(node: fx.Node, kind: str, scope: Scope, scopes: Scopes, sizes: _Sizes, 
     return use
 
 
+def _opaque_read(node: fx.Node, scopes: Scopes) -> OpaqueWeightRead | None:
+    try:
+        return opaque_weight_read(node, scopes)
+    except Exception as e:  # noqa: BLE001  (a node it cannot read is no reason to fail the compile: logged)
+        log.debug("coverage: could not tell whether %s reads a weight: %s", node.format_node(), e)
+        return None
+
+
+def _opaque_use(node: fx.Node, read: OpaqueWeightRead, scope: Scope, scopes: Scopes, sizes: _Sizes,
+                records: _Records) -> GemmUse:
+    """An opaque call reading a weight: as a pass recorded it, else kept as written with its reason (OPAQUE_WEIGHT_OP).
+    FLOPs only where moepass knows the op's GEMM (a GROUPED_MM_OPS op: 2*M*N*K as for torch._grouped_mm)."""
+    name = scope.qualified(node.name)
+    use = GemmUse(name, module_path(node), parameter_name(read.weight), op_name(node), UNACCOUNTED)
+    grouped = grouped_mm_op(node)
+    if grouped is not None and grouped.mismatch is None:
+        sizes.estimated = False
+        use.flops = 3 * forward_flops(node, sizes) * scopes.runs(scope)
+        use.estimated = sizes.estimated
+    if name in records.skips:  # a pass judged it (the grouped_mm pass, as the torch._grouped_mm it computes)
+        use.by, use.code, use.note = records.skips[name][0], _skip_code(records, name), records.skips[name][2]
+        use.status = BF16
+        if use.code == TORCHAO:
+            use.status, use.lowp_flops = LOW_PRECISION, use.flops
+    elif grouped is not None and grouped.mismatch is None and "grouped_mm" not in records.ran:
+        use.status, use.code, use.note = BF16, PASS_OFF, "the grouped_mm pass did not run (options['passes'])"
+    elif torchao_conversion(node) is not None and not {"linear", "grouped_mm"} <= records.ran:
+        use.status, use.code = BF16, PASS_OFF  # an opaque torchao GEMM call: the pass that lists it did not run
+        use.note = "the pass that lists torchao's GEMM calls (linear or grouped_mm) did not run (options['passes'])"
+    else:
+        use.status, use.code, use.note = BF16, OPAQUE, read.text()
+        if grouped is not None and grouped.mismatch is not None:
+            use.note += f" (not read as torch._grouped_mm: {grouped.mismatch})"
+        elif scope in scopes.unentered:
+            use.note += f" (inside a {scope.kind} body, which the passes do not enter)"
+    return use
+
+
 # ---------------------------------------------------------------- summing up
 
 
@@ -263,12 +316,14 @@ def coverage(uses: list[GemmUse], graphs: list[int] | None = None) -> dict:
     total = sum(u.flops for u in weight)
     lowp = sum(u.lowp_flops for u in weight if u.status == LOW_PRECISION)
     unaccounted = [u for u in weight if u.status == UNACCOUNTED]
+    unaccounted_codes = Counter(u.code for u in unaccounted if u.code)
     not_weight = [u for u in uses if u.status == NOT_WEIGHT]
     return {
         "gemms": len(weight),
         "low_precision": sum(u.status == LOW_PRECISION for u in weight),
         "bf16": dict(sorted(bf16.items())),
         "unaccounted": len(unaccounted),
+        **({"unaccounted_by_code": dict(sorted(unaccounted_codes.items()))} if unaccounted_codes else {}),
         "not_weight": len(not_weight),
         "flops": {"total": total, "low_precision": lowp, "bf16": dict(sorted(bf16_flops.items())),
                   "unaccounted": sum(u.flops for u in unaccounted),
@@ -277,6 +332,7 @@ def coverage(uses: list[GemmUse], graphs: list[int] | None = None) -> dict:
         "flops_estimated": sum(u.estimated for u in uses),
         "unaccounted_gemms": [{**({"graph": graph_of[id(u)]} if id(u) in graph_of else {}), "node": u.node,
                                "module": u.module, "op": u.op, "weight": u.weight,
+                               **({"code": u.code} if u.code else {}),
                                **({"note": u.note} if u.note else {})} for u in unaccounted],
     }
 
@@ -286,9 +342,11 @@ def coverage_line(cov: dict) -> str:
     their FLOPs in low precision (fwd+dgrad+wgrad); 2 activation GEMMs (attention) outside the share`."""
     bf16 = sum(cov["bf16"].values())
     reasons = f" ({', '.join(f'{k} {v}' for k, v in cov['bf16'].items())})" if bf16 else ""
+    codes = cov.get("unaccounted_by_code", {})
+    opaque = f" ({', '.join(f'{k} {v}' for k, v in codes.items())})" if codes else ""
     text = (f"{cov['gemms']} weight GEMMs, {cov['low_precision']} low precision, {bf16} BF16{reasons}, "
-            f"{cov['unaccounted']} unaccounted; {share_text(cov['low_precision_flop_share'])} of their FLOPs in low "
-            "precision (fwd+dgrad+wgrad)")
+            f"{cov['unaccounted']} unaccounted{opaque}; {share_text(cov['low_precision_flop_share'])} of their FLOPs "
+            "in low precision (fwd+dgrad+wgrad)")
     if cov["not_weight"]:
         text += f"; {cov['not_weight']} activation GEMMs (attention) outside the share"
     if cov["flops_estimated"]:
@@ -311,5 +369,7 @@ def check_accounted(uses: list[GemmUse]) -> None:
     if missing and strict():
         listed = "; ".join(f"{u.op} at {u.module or '<top>'} (node {u.node}, weight {u.weight or '?'})"
                            f"{' ' + u.note if u.note else ''}" for u in missing)
+        opaque = sum(u.code == OPAQUE for u in missing)
+        opaque = f" ({opaque} of them opaque ops reading one)" if opaque else ""
         raise UnaccountedGemms(f"moepass ({STRICT_ENV} is set): {len(missing)} GEMM(s) on a parameter that no pass "
-                               f"rewrote or gave a reason for: {listed}")
+                               f"rewrote or gave a reason for{opaque}: {listed}")

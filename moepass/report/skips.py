@@ -23,15 +23,20 @@ class SkipCode(enum.Enum):
                    "`lowp.keep_router_bf16: false` to quantize it anyway")
     OUTPUT_HEAD = ("linear", "output head", "the vocabulary projection: the last GEMM of the model (no GEMM or "
                    "residual add after it) whose N is the vocabulary size, whose weight is the embedding's, whose "
-                   "output feeds the loss, or which the model's forward returns (the reason says which; a linear "
-                   "that only ends a graph cut by a graph break or DDP stays eligible)",
+                   "output feeds the loss, or a plain linear whose output the model's forward returns, combined with "
+                   "no other GEMM's (the reason says which; an expert's GEMM never is one, and a linear that only "
+                   "ends a graph cut by a graph break or DDP stays eligible)",
                    "`lowp.keep_output_head_bf16: false`")
     EXCLUDED = ("both", "excluded by lowp.exclude", "your exclude pattern matches its module path",
                 "edit `lowp.exclude`")
     NOT_INCLUDED = ("both", "matches no lowp.include", "your include patterns miss its module path",
                     "edit `lowp.include` (paths are state_dict names: `layers.3.moe.experts`)")
-    NOT_BF16 = ("both", "not bfloat16", "only BF16 GEMMs are rewritten (an fp32 router, an fp32 model)",
-                "train in bfloat16 (`model.to(torch.bfloat16)`)")
+    NOT_BF16 = ("both", "not bfloat16", "only GEMMs that run in BF16 are rewritten (BF16 operands, or FP32 ones a "
+                "BF16 autocast region casts); not: an fp32 model or router outside autocast, an fp16 autocast region, "
+                "torch._grouped_mm on fp32 operands (autocast leaves it in fp32)",
+                "train in bfloat16 (`model.to(torch.bfloat16)`, FSDP2 `MixedPrecisionPolicy(param_dtype=torch."
+                "bfloat16)`) or run the step under `torch.autocast(device_type, dtype=torch.bfloat16)`; cast "
+                "`torch._grouped_mm`'s operands to bfloat16 in the model")
     NOT_A_MULTIPLE = ("both", "not a multiple of", "the recipe's kernels need K and N in whole blocks (the reason "
                       "names the recipe and its block)", "pad the hidden or intermediate size")
     EMPTY_GEMM = ("both", "empty GEMM", "K or N is 0 (a zero-width expert): nothing to quantize", "-")
@@ -48,9 +53,10 @@ class SkipCode(enum.Enum):
     GROUPED_BIAS = ("grouped_mm", "with bias", "grouped GEMMs with bias are not supported", "-")
     OUT_DTYPE = ("grouped_mm", "out_dtype=", "a non-BF16 output was asked for", "-")
     OFFS_NOT_INT32 = ("grouped_mm", "offs is", "group offsets are not int32", "`torch.cumsum(..., dtype=torch.int32)`")
-    LEFT_IN_BF16 = ("both", "left in BF16:", "recipe auto on this GPU: no FP8 tensor cores, or FP8 measured slower "
-                    "than BF16 at this size and token count (moepass/recipes/fp8_auto_table_h200.json, or the size "
-                    "rule recipes.auto.FP8_ROWWISE_MIN for shapes it does not hold)",
+    LEFT_IN_BF16 = ("both", "left in BF16:", "recipe auto on this GPU: no FP8 tensor cores, or FP8 slower than BF16 "
+                    "at this size and token count, as decided by this GPU model's shipped table (moepass/recipes/"
+                    "fp8_auto_table_<gpu>.json), a measurement on this GPU (auto.measure) or the size rule "
+                    "recipes.auto.FP8_ROWWISE_MIN; the reason names which",
                     "`recipe: fp8_rowwise` (or `mxfp8`) to force it")
     NO_KERNEL = ("both", "no kernel for", "the recipe you asked for has no kernel for this GEMM kind on this device "
                  "(blockwise: torch._scaled_mm takes its scales on sm_90 only; grouped GEMMs also on moepass's "
@@ -155,6 +161,13 @@ class SkipCode(enum.Enum):
                       "region", "report it: a bug")
     ANALYSIS_ERROR = ("deepep", "could not analyse the region", "an unexpected error in the analysis",
                       "report it: a bug")
+    # ---- the coverage census (moepass.report.coverage): unaccounted, and strict mode fails on it
+    OPAQUE_WEIGHT_OP = ("census", "opaque op", "a call moepass cannot look into (a custom op outside torch's own "
+                        "libraries, an `allow_in_graph` autograd.Function, a `nonstrict_trace` function, a higher-order "
+                        "op without a body) reads a weight of 2 or more dims: a GEMM inside it is unseen (the reason "
+                        "names the op and the weight)", "write its GEMMs with torch (`F.linear`, `x @ W`, "
+                        "`torch._grouped_mm`), or report the op so that moepass reads it as the GEMM it is (as it "
+                        "reads transformers::grouped_mm_fallback)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ live run of every family; test_docs_table_holds_the_tested_counts keeps that tab
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -24,6 +25,8 @@ import pytest
 import torch
 
 import moepass
+from moepass.report.coverage import BF16, LOW_PRECISION
+from moepass.report.skips import SkipCode
 
 transformers = pytest.importorskip("transformers")
 
@@ -213,6 +216,73 @@ def test_router_rule_off_shows_what_else_keeps_the_router_bf16(name, router_skip
     skips = {s["module"]: s["reason"] for s in linear["skipped"] if s["module"].endswith(router)}
     assert skips == ({} if router_skip is None else {f"model.layers.{i}.{router}": router_skip for i in range(2)})
     assert linear["replaced"] == FAMILIES[name].linears_rewritten + (2 if router_skip is None else 0)
+
+
+# FP32 weights (a model loaded in FP32, or FP32 masters under autocast): torch._grouped_mm cannot run them under
+# torch.compile, so transformers runs its experts through its own custom op, transformers::grouped_mm_fallback
+FALLBACK_OP = "transformers.grouped_mm_fallback"
+FALLBACK_SAID = "transformers::grouped_mm_fallback read as torch._grouped_mm: "
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+@pytest.mark.parametrize("name", ["DeepseekV3", "Mixtral"])
+def test_fp32_experts_in_transformers_own_op_are_listed_with_no_weight_op_unaccounted(name, precision):
+    """Every expert GEMM is listed, rewritten or with its reason, and no op reading a weight is unaccounted."""
+    torch._dynamo.reset()
+    family, model = FAMILIES[name], build(name).float()
+    ids = example_ids(model)
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+    with region, torch.no_grad():
+        eager_loss = model(input_ids=ids, labels=ids).loss.item()
+    compiled = torch.compile(model, backend="moepass", options=MXFP8_OPTIONS)
+    with region, moepass.collecting() as report:
+        loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    d, cov = report.to_dict(), report.coverage()
+    experts = family.moe_layers * family.grouped_per_moe_layer
+    assert (d["graphs"], d["ops_before"][FALLBACK_OP], cov["unaccounted"]) == (1, experts, 0)
+    listed = [u for u in d["gemms"] if u["module"].endswith(".experts")]
+    assert len(listed) == experts and {u["weight"] for u in listed} == {"gate_up_proj", "down_proj"}
+    for u in listed:  # rewritten by the grouped_mm pass, or still transformers' op with the pass's reason naming it
+        assert u["by"] == "grouped_mm" and (u["status"] == LOW_PRECISION or (
+            u["status"] == BF16 and u["op"] == FALLBACK_OP and u["note"].startswith(FALLBACK_SAID)
+            and SkipCode[u["code"]].phrase in u["note"])), u
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    assert loss.item() == pytest.approx(eager_loss, rel=LOSS_RTOL if precision == "autocast" else 1e-5)
+
+
+# Llama4's MoE adds its routed experts into its shared expert's output in place (`out.add_(...)`), the output of a
+# rewritten linear; its experts are one bmm each (kept BF16 with their reason)
+LLAMA4_TEXT = dict(intermediate_size_mlp=64, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                   attention_chunk_size=64)
+
+
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=pytest.mark.extended)])  # Inductor: ~1 min
+def test_llama4_text_trains_with_an_in_place_add_on_a_rewritten_linears_output(inductor):
+    """Three SGD steps of Llama4's text model, with and without Inductor: DESIGN.md's "outputs a user may modify"."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**{**TINY, **LLAMA4_TEXT})).to(torch.bfloat16)
+    ids = example_ids(model)
+    with torch.no_grad():
+        eager_loss = model(input_ids=ids, labels=ids).loss.item()
+    compiled = torch.compile(model, backend="moepass", options={**MXFP8_OPTIONS, "inductor": inductor})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    with moepass.collecting() as report:
+        for _ in range(3):
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    d = report.to_dict()
+    assert (d["graphs"], report.graph_breaks) == (1, 0)
+    rewritten = {r["module"] for p in d["passes"] if p["name"] == "linear" for r in p["rewrites"]}
+    assert {f"model.layers.{i}.feed_forward.shared_expert.down_proj" for i in range(2)} <= rewritten, rewritten
+    assert all(math.isfinite(v) for v in losses) and losses[2] < losses[1] < losses[0], losses
+    assert losses[0] == pytest.approx(eager_loss, rel=LOSS_RTOL)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def families_table() -> str:

@@ -367,12 +367,14 @@ def test_fake_impls_check_arguments_at_trace_time():
 
 @pytest.fixture
 def cuda_capability(monkeypatch):
-    """Pretend this process sees one CUDA GPU of the given compute capability."""
-    def set_capability(major, minor):
+    """Pretend this process sees one CUDA GPU of the given compute capability (sm_90: an H200, whose shipped table
+    recipe auto reads; tests/unit/test_fp8_auto_table.py and test_auto_measure.py cover the other sources)."""
+    def set_capability(major, minor, name=None):
+        name = name or ("NVIDIA H200" if (major, minor) == (9, 0) else f"Test GPU sm_{major}{minor}")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Test GPU sm_{major}{minor}")
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     return set_capability
 
 

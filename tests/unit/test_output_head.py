@@ -1,11 +1,15 @@
 """The output head is known by what it is (vocabulary-sized, tied to the embedding, feeding the loss, returned by the
 model), not by where a graph ends: a linear that ends a graph cut by a graph break, a frame Dynamo compiled apart or
-a DDP bucket stays eligible, and the head is reported under its module path, never ''."""
+a DDP bucket stays eligible, and the head is reported under its module path, never ''. An expert's GEMM is never the
+head, and a MoE layer compiled on its own has none."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -199,3 +203,107 @@ def test_ddp_buckets_do_not_make_interior_linears_heads(monkeypatch):
     assert [s for s in linear["skipped"] if s["reason"].startswith("output head")] == linear["skipped"]
     assert linear["replaced"] == 4
     assert all(SkipCode.OUTPUT_HEAD.phrase in r for r in kept.values())
+
+
+# ---------------------------------------------------------------- MoE layers compiled on their own (issue 51)
+# A MoE layer has no vocabulary: compiled alone (as a MoE layer is benchmarked), its GEMMs end the model, yet none is
+# its output head. An expert's GEMM never is; a linear whose output the model returns only combined with other GEMMs'
+# outputs is a layer's output.
+
+
+def _passes(fn, *args, context=None) -> dict:
+    torch._dynamo.reset()
+    with context or contextlib.nullcontext(), moepass.collecting() as report:
+        torch.compile(fn, backend="moepass", options=OPTIONS)(*args)
+    return {p["name"]: p for p in report.to_dict()["passes"]}
+
+
+def test_torchtune_moe_layer_compiled_alone_has_every_expert_and_shared_expert_gemm_rewritten():
+    """torchtune's MoE (loop experts `x_e @ W[e]`, a FeedForward shared expert, the routed outputs scatter_add-ed
+    into the shared expert's) as the whole compiled model."""
+    import torchtune_moe
+
+    moe_package = torchtune_moe.load()
+    feed_forward = importlib.import_module("torchtune.modules.feed_forward")
+    torch.manual_seed(0)
+    experts = 4
+    layer = torchtune_moe.llama4_moe(moe_package, feed_forward, DIM, 32, experts, 2)
+    layer.experts.reset_parameters()  # torchtune leaves its expert stacks torch.empty
+    x = torch.randn(2, 16, DIM, dtype=torch.bfloat16)
+    linear = _passes(layer.to(torch.bfloat16), x, context=torchtune_moe.integer_histc_on_cpu())["linear"]
+    kept = _kept(linear)
+    assert list(kept) == ["router.gate"] and SkipCode.ROUTER_GATE.phrase in kept["router.gate"]
+    rewritten = [r["module"] for r in linear["rewrites"]]
+    assert sorted(set(rewritten)) == ["experts", "shared_expert.w1", "shared_expert.w2", "shared_expert.w3"]
+    assert rewritten.count("experts") == 3 * experts  # gate, up and down projection of each expert
+    details = [r["detail"] for r in linear["rewrites"]]
+    downs = [d for d in details if "never the output head" in d]
+    assert len(downs) == experts and all(f"stacked expert weight [{experts}, 32, {DIM}]" in d for d in downs)
+    (w2,) = [r["detail"] for r in linear["rewrites"] if r["module"] == "shared_expert.w2"]
+    assert "combined with other GEMMs' outputs (by scatter_add" in w2
+
+
+def test_the_projects_moe_layer_compiled_alone_has_every_expert_and_shared_expert_gemm_rewritten():
+    from moepass.models import MoE, get_config
+
+    torch.manual_seed(0)
+    layer = MoE(get_config("debug"))
+    layer.init_weights(0.02, 0.02)
+    x = torch.randn(2, 16, layer.router.gate.weight.shape[1], dtype=torch.bfloat16)
+    passes = _passes(layer.to(torch.bfloat16), x)
+    assert passes["grouped_mm"]["replaced"] == 3 and passes["grouped_mm"]["skipped"] == []  # w1, w3, w2 of experts
+    kept = _kept(passes["linear"])
+    assert list(kept) == ["router.gate"] and SkipCode.ROUTER_GATE.phrase in kept["router.gate"]
+    assert sorted(r["module"] for r in passes["linear"]["rewrites"]) == [
+        "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+
+
+def test_a_plain_stack_of_linears_keeps_its_returned_last_linear_as_head_by_position():
+    torch.manual_seed(0)
+    stack = nn.Sequential(nn.Linear(DIM, HIDDEN, bias=False), nn.SiLU(), nn.Linear(HIDDEN, HIDDEN, bias=False),
+                          nn.SiLU(), nn.Linear(HIDDEN, 32, bias=False)).to(torch.bfloat16)
+    linear = _linear_pass(stack, torch.randn(16, DIM, dtype=torch.bfloat16))
+    kept = _kept(linear)
+    assert list(kept) == ["4"] and "judged by position only" in kept["4"]
+    assert sorted(r["module"] for r in linear["rewrites"]) == ["0", "2"]
+
+
+class ExpertsAtTheEnd(nn.Module):
+    """An embedding, then experts `x_e @ W[e]` whose outputs the model returns: N is the vocabulary size, and with one
+    expert (one local expert under expert parallelism) nothing combines its output with another GEMM's."""
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.w = nn.Parameter(torch.randn(experts, DIM, VOCAB) / 8)
+
+    def forward(self, ids):
+        h = self.embed(ids).flatten(0, 1)
+        if self.w.shape[0] == 1:
+            return h @ self.w[0]
+        return torch.cat([x_e @ self.w[e] for e, x_e in enumerate(h.chunk(self.w.shape[0]))])
+
+
+@pytest.mark.parametrize("experts", [1, 4])
+def test_an_expert_gemm_at_the_end_of_a_model_is_no_head(experts):
+    torch.manual_seed(0)
+    linear = _linear_pass(ExpertsAtTheEnd(experts).to(torch.bfloat16), IDS)
+    assert linear["skipped"] == [] and linear["replaced"] == experts
+    assert all("an expert's GEMM" in r["detail"] and "never the output head" in r["detail"]
+               for r in linear["rewrites"])
+
+
+def test_a_returned_gemm_on_a_weight_held_in_another_shape_is_no_head_by_position():
+    """`x @ W.view(K, N)` on a [2, K/2, N] parameter: no expert's slice, and no plain linear's 2-D weight either."""
+    class Reshaped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, DIM // 2, 32) / 8)
+
+        def forward(self, x):
+            return x @ self.w.view(DIM, 32)
+
+    torch.manual_seed(0)
+    linear = _linear_pass(Reshaped().to(torch.bfloat16), torch.randn(16, DIM, dtype=torch.bfloat16))
+    assert linear["skipped"] == [] and linear["replaced"] == 1
+    assert "read from a 3-D parameter" in linear["rewrites"][0]["detail"]

@@ -15,6 +15,9 @@ SymInts, and every later size is read off the handle's tensors, so one graph cov
     ep_dispatch_quantized(x, x_q[N,H] fp8, x_scale[N,S] f32, topk_idx, ...) -> recv_x (a gradient carrier, no data),
         recv_x_q[R,H], recv_x_scale[R,S], and the rest as ep_dispatch  (FP8 rows sent; on DeepEP S is 1 or H/128)
     ep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, ...) -> (grad_x, grad_topk_weights)
+
+Every body returns through moepass.ops.fresh_outputs, so the code after an op may view its outputs and modify them
+in place, whichever backend made them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from moepass.analysis.op_registry import register_exchange
 
+from ..fresh_outputs import fresh_outputs
 from . import deepep, reference
 
 EP_BACKENDS = ("reference", "deepep")
@@ -102,8 +106,10 @@ def ep_dispatch(
     _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return deepep.deepep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, group)
-    return reference.reference_dispatch(x, topk_idx, topk_weights, num_experts, group)
+        sent = deepep.deepep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, group)
+    else:
+        sent = reference.reference_dispatch(x, topk_idx, topk_weights, num_experts, group)
+    return fresh_outputs(sent, (x, topk_idx, topk_weights))
 
 
 @ep_dispatch.register_fake
@@ -139,13 +145,15 @@ def ep_dispatch_quantized(
     if backend == "deepep":
         recv_q, recv_scale, recv_idx, recv_w, counts, handle = deepep.deepep_dispatch_fp8(
             x_q, x_scale, topk_idx, topk_weights, num_experts, group_name, group)
-        return x.new_empty((recv_q.shape[0], x.shape[1])), recv_q, recv_scale, recv_idx, recv_w, counts, handle
+        return fresh_outputs((x.new_empty((recv_q.shape[0], x.shape[1])), recv_q, recv_scale, recv_idx, recv_w,
+                              counts, handle), (x, x_q, x_scale, topk_idx, topk_weights))
     # gloo and NCCL move float8 as bytes
     recv_q, recv_idx, recv_w, counts, handle = reference.reference_dispatch(
         x_q.view(torch.uint8), topk_idx, topk_weights, num_experts, group)
     recv_scale = reference.reference_dispatch_cached(x_scale, handle, group)
     recv_x = x.new_empty((recv_q.shape[0], x.shape[1]))
-    return recv_x, recv_q.view(x_q.dtype), recv_scale, recv_idx, recv_w, counts, handle
+    return fresh_outputs((recv_x, recv_q.view(x_q.dtype), recv_scale, recv_idx, recv_w, counts, handle),
+                         (x, x_q, x_scale, topk_idx, topk_weights))
 
 
 def _check_quantized_payload(x, x_q, x_scale, backend) -> None:
@@ -180,8 +188,10 @@ def ep_combine(y: Tensor, handle: list[Tensor], group_size: int, group_name: str
     _check_backend(backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return deepep.deepep_combine(y, handle, group_name, group)
-    return reference.reference_combine(y, handle, group)
+        combined = deepep.deepep_combine(y, handle, group_name, group)
+    else:
+        combined = reference.reference_combine(y, handle, group)
+    return fresh_outputs(combined, (y, handle))
 
 
 @ep_combine.register_fake
@@ -196,8 +206,10 @@ def ep_dispatch_cached(x: Tensor, handle: list[Tensor], group_size: int, group_n
     _check_backend(backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return deepep.deepep_dispatch_cached(x, handle, group_name, group)
-    return reference.reference_dispatch_cached(x, handle, group)
+        sent = deepep.deepep_dispatch_cached(x, handle, group_name, group)
+    else:
+        sent = reference.reference_dispatch_cached(x, handle, group)
+    return fresh_outputs(sent, (x, handle))
 
 
 @ep_dispatch_cached.register_fake
@@ -219,9 +231,11 @@ def ep_dispatch_backward(
     _check_backend(backend)
     group = _group(group_name, group_size)
     if backend == "deepep":
-        return deepep.deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name, group)
-    grad_x = reference.reference_combine(grad_recv_x, handle, group)
-    return grad_x, reference.reference_combine(grad_recv_topk_weights, handle, group)
+        grads = deepep.deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name, group)
+    else:
+        grads = (reference.reference_combine(grad_recv_x, handle, group),
+                 reference.reference_combine(grad_recv_topk_weights, handle, group))
+    return fresh_outputs(grads, (grad_recv_x, grad_recv_topk_weights, handle))
 
 
 @ep_dispatch_backward.register_fake

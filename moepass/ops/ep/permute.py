@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..fresh_outputs import fresh_outputs
+
 
 def _check_args(recv_topk_idx: Tensor, num_local_experts: int) -> None:
     if recv_topk_idx.dim() != 2 or recv_topk_idx.dtype != torch.int64:
@@ -34,7 +36,7 @@ def ep_expert_major_pairs(recv_topk_idx: Tensor, num_local_experts: int) -> tupl
     key = torch.where(routed_here, flat, num_local_experts)
     order = torch.argsort(key, stable=True)
     pair_slot = order[: int(routed_here.sum())].clone()
-    return pair_slot // recv_topk_idx.shape[1], pair_slot
+    return fresh_outputs((pair_slot // recv_topk_idx.shape[1], pair_slot), (recv_topk_idx,))
 
 
 @ep_expert_major_pairs.register_fake

@@ -15,6 +15,15 @@ def check_bf16(op: str, **tensors: torch.Tensor | None) -> None:
                              "(the pass only rewrites bf16 GEMMs: cast to bf16 or leave this GEMM unrewritten)")
 
 
+def check_weight(op: str, **tensors: torch.Tensor | None) -> None:
+    """A weight in bfloat16, or float32 (an FP32 master weight under autocast, quantized straight to FP8)."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"{op}: {name} is {t.dtype}; moepass's FP8 GEMM ops take a bf16 weight "
+                             "(torch.bfloat16), or a float32 one (an FP32 master weight under autocast, quantized "
+                             "straight from it)")
+
+
 def check_multiple(op: str, multiple: int, why: str, **dims: int) -> None:
     for name, size in dims.items():
         if size % multiple != 0:

@@ -15,7 +15,8 @@ from torch import Tensor
 from moepass.analysis.op_registry import register_gemm
 from moepass.recipes.base import Recipe
 
-from .gemm_args import check_bf16, check_offs
+from .autocast_off import autocast_off
+from .gemm_args import check_bf16, check_offs, check_weight
 from .grouped_wgrad_bf16 import as_transposed_layout
 from .op_recipe import RecipeGemms, check_dims, define_op, split_forward_args
 from .sharding import register_gemm_sharding
@@ -26,7 +27,8 @@ GEMMS = {"grouped_mm": "forward", "grouped_mm_dgrad": "dgrad", "grouped_mm_wgrad
 def check_grouped(recipe: Recipe, gemms: RecipeGemms, op: str, name: str, tokens: Tensor, w_t: Tensor,
                   offs: Tensor, args: tuple) -> None:
     """tokens [M, K] (forward, name "x") or [M, N] (dgrad, name "grad_out") against w_t [E, K, N], offs int32 [E]."""
-    check_bf16(op, **{name: tokens}, w_t=w_t)
+    check_bf16(op, **{name: tokens})
+    check_weight(op, w_t=w_t)
     gemms.check_settings(tokens.device, True, *args)
     if tokens.dim() != 2 or w_t.dim() != 3 or offs.dim() != 1:
         raise ValueError(f"{op}: expected {name} [M, D], w_t [E, K, N] and offs [E], got {tuple(tokens.shape)}, "
@@ -63,15 +65,17 @@ def define_grouped_mm_ops(recipe: Recipe, gemms: RecipeGemms) -> None:
     op = define_op(fwd_name, ["Tensor x", "Tensor w_t", "Tensor offs", *settings, "bool wgrad_bf16", "str kernel"],
                    check=lambda x, w_t, offs, *args: check_grouped(recipe, gemms, fwd_name, "x", x, w_t, offs,
                                                                    gemm_args(args)),
-                   compute=lambda x, w_t, offs, *args: gemms.forward(x, w_t, offs, *gemm_args(args)),
+                   compute=autocast_off(lambda x, w_t, offs, *args: gemms.forward(x, w_t, offs, *gemm_args(args))),
                    output=lambda x, w_t, offs, *args: x.new_empty(x.shape[0], w_t.shape[2]))
     define_op(dgrad_name, ["Tensor grad_out", "Tensor w_t", "Tensor offs", *settings, "str kernel"],
               check=lambda g, w_t, offs, *args: check_grouped(recipe, gemms, dgrad_name, "grad_out", g, w_t, offs,
                                                                 args),
-              compute=gemms.dgrad, output=lambda g, w_t, offs, *args: g.new_empty(g.shape[0], w_t.shape[1]))
+              compute=autocast_off(gemms.dgrad),
+              output=lambda g, w_t, offs, *args: g.new_empty(g.shape[0], w_t.shape[1]))
     define_op(recipe.op_name("grouped_mm_wgrad"),
               ["Tensor grad_out", "Tensor x", "Tensor offs", *settings, "str kernel"],
-              check=lambda g, x, offs, *args: check_wgrad(recipe, gemms, g, x, offs, args), compute=gemms.wgrad,
+              check=lambda g, x, offs, *args: check_wgrad(recipe, gemms, g, x, offs, args),
+              compute=autocast_off(gemms.wgrad),
               output=lambda g, x, offs, *args: as_transposed_layout(x.new_empty(offs.shape[0], x.shape[1],
                                                                                 g.shape[1])))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
@@ -86,6 +90,12 @@ def _setup_context(ctx, inputs, output):
     ctx.gemm_args, ctx.wgrad_bf16 = split_forward_args(tuple(args))
 
 
+def weight_grad(grad_w_t: Tensor, w_t: Tensor) -> Tensor:
+    """The weight's gradient in the weight's dtype: an FP32 weight gets it in FP32, as autocast's cast gives it (the
+    layout kept: w_t's)."""
+    return grad_w_t if grad_w_t.dtype == w_t.dtype else grad_w_t.to(w_t.dtype)
+
+
 def _backward_of(recipe: Recipe):
     def backward(ctx, grad_out):
         x, w_t, offs = ctx.saved_tensors
@@ -97,6 +107,7 @@ def _backward_of(recipe: Recipe):
                 grad_w_t = torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs)
             else:
                 grad_w_t = recipe.op("grouped_mm_wgrad")(grad_out, x, offs, *ctx.gemm_args)
+            grad_w_t = weight_grad(grad_w_t, w_t)
         return grad_x, grad_w_t, None, *(None,) * (len(ctx.gemm_args) + 1)  # offs, settings, wgrad_bf16, kernel
 
     return backward

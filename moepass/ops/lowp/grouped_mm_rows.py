@@ -33,9 +33,11 @@ from torch import Tensor
 from moepass.analysis.op_registry import register_gemm, register_rows_form
 from moepass.recipes.base import Recipe
 
+from ..fresh_outputs import fresh_outputs
 from .formats import E4M3
 from .gemm_args import check_bf16
-from .grouped_mm import check_grouped, check_wgrad
+from .autocast_off import autocast_off
+from .grouped_mm import check_grouped, check_wgrad, weight_grad
 from .grouped_wgrad_bf16 import as_transposed_layout
 from .op_recipe import RecipeGemms, check_dims, define_op, split_forward_args
 
@@ -88,7 +90,7 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
                              schema=f"(Tensor x, {', '.join([*settings, 'str kernel'])}) -> (Tensor, Tensor)")
     def quantize(x, *args):
         check_quantize(x, *args)
-        return rows.quantize(x, *args)
+        return fresh_outputs(autocast_off(rows.quantize)(x, *args), (x,))  # blockwise's q: a view of its tiles
 
     @quantize.register_fake
     def _(x, *args):
@@ -104,8 +106,8 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
     op = define_op(name, ["Tensor x", "Tensor x_q", "Tensor x_scale", "Tensor w_t", "Tensor offs", "bool saved_fp8",
                           *settings, "bool wgrad_bf16", "str kernel"],
                    check=check,
-                   compute=lambda x, x_q, x_scale, w_t, offs, _, *args: rows.forward(x_q, x_scale, w_t, offs,
-                                                                                     *split_forward_args(args)[0]),
+                   compute=autocast_off(lambda x, x_q, x_scale, w_t, offs, _, *args: rows.forward(
+                       x_q, x_scale, w_t, offs, *split_forward_args(args)[0])),
                    output=lambda x, x_q, x_scale, w_t, offs, *args: x.new_empty(x.shape[0], w_t.shape[2]))
     op.register_autograd(_backward_of(recipe, rows), setup_context=_setup_context)
 
@@ -119,7 +121,7 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
 
     gemm_name = recipe.op_name("grouped_mm_on_rows")
     define_op(gemm_name, ["Tensor x_q", "Tensor x_scale", "Tensor w_t", "Tensor offs", *settings, "str kernel"],
-              check=check_gemm, compute=rows.forward,
+              check=check_gemm, compute=autocast_off(rows.forward),
               output=lambda x_q, x_scale, w_t, offs, *args: x_q.new_empty(x_q.shape[0], w_t.shape[2],
                                                                           dtype=torch.bfloat16))
     for gemm_op in (op, recipe.op("grouped_mm_on_rows")):
@@ -142,7 +144,7 @@ def _define_wgrad_on_rows(recipe: Recipe, gemms: RecipeGemms, rows: RowGemms) ->
 
     define_op(name, ["Tensor grad_out", "Tensor x_q", "Tensor x_scale", "Tensor offs", *recipe.op_settings,
                      "str kernel"],
-              check=check, compute=rows.wgrad,
+              check=check, compute=autocast_off(rows.wgrad),
               output=lambda g, x_q, x_scale, offs, *args: as_transposed_layout(
                   g.new_empty(offs.shape[0], x_q.shape[1], g.shape[1])))
     register_gemm(recipe.op("grouped_mm_wgrad_on_rows"), "grouped", "wgrad")
@@ -181,6 +183,7 @@ def _backward_of(recipe: Recipe, rows: RowGemms):
                 x = rows.dequantize(*rows_saved) if ctx.saved_fp8 else rows_saved[0]
                 grad_w_t = (recipe.op("grouped_mm_wgrad")(grad_out, x, offs, *ctx.gemm_args) if fp8_wgrad
                             else torch.ops.moepass.grouped_mm_wgrad_bf16(grad_out, x, offs))
+            grad_w_t = weight_grad(grad_w_t, w_t)
         # x_q, x_scale, offs, saved_fp8, settings, wgrad_bf16, kernel get none
         return grad_x, None, None, grad_w_t, None, None, *(None,) * (len(ctx.gemm_args) + 1)
 

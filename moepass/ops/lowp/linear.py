@@ -17,7 +17,8 @@ from torch import Tensor
 from moepass.analysis.op_registry import register_gemm
 from moepass.recipes.base import Recipe
 
-from .gemm_args import check_bf16
+from .autocast_off import autocast_off
+from .gemm_args import check_bf16, check_weight
 from .op_recipe import RecipeGemms, check_dims, define_op, split_forward_args
 from .sharding import register_gemm_sharding
 
@@ -26,7 +27,8 @@ GEMMS = {"linear": "forward", "linear_dgrad": "dgrad", "linear_wgrad": "wgrad"} 
 
 def _check_operands(recipe: Recipe, gemms: RecipeGemms, op: str, name: str, t: Tensor, weight: Tensor,
                     args: tuple) -> None:
-    check_bf16(op, **{name: t}, weight=weight)
+    check_bf16(op, **{name: t})
+    check_weight(op, weight=weight)
     gemms.check_settings(t.device, False, *args)
     if weight.dim() != 2 or t.dim() < 1:
         raise ValueError(f"{op}: weight must be [N, K] and {name} [..., D], "
@@ -75,13 +77,13 @@ def define_linear_ops(recipe: Recipe, gemms: RecipeGemms) -> None:
     op = define_op(recipe.op_name("linear"),
                    ["Tensor x", "Tensor weight", "Tensor? bias", *settings, "bool wgrad_bf16", "str kernel"],
                    check=lambda x, w, b, *args: check_forward(recipe, gemms, x, w, b, gemm_args(args)),
-                   compute=lambda x, w, b, *args: gemms.forward(x, w, b, *gemm_args(args)),
+                   compute=autocast_off(lambda x, w, b, *args: gemms.forward(x, w, b, *gemm_args(args))),
                    output=lambda x, w, b, *args: x.new_empty(*x.shape[:-1], w.shape[0]))
     define_op(recipe.op_name("linear_dgrad"), ["Tensor grad_out", "Tensor weight", *settings, "str kernel"],
-              check=lambda g, w, *args: check_dgrad(recipe, gemms, g, w, args), compute=gemms.dgrad,
+              check=lambda g, w, *args: check_dgrad(recipe, gemms, g, w, args), compute=autocast_off(gemms.dgrad),
               output=lambda g, w, *args: g.new_empty(*g.shape[:-1], w.shape[1]))
     define_op(recipe.op_name("linear_wgrad"), ["Tensor grad_out", "Tensor x", *settings, "str kernel"],
-              check=lambda g, x, *args: check_wgrad(recipe, gemms, g, x, args), compute=gemms.wgrad,
+              check=lambda g, x, *args: check_wgrad(recipe, gemms, g, x, args), compute=autocast_off(gemms.wgrad),
               output=lambda g, x, *args: x.new_empty(g.shape[-1], x.shape[-1]))
     op.register_autograd(_backward_of(recipe), setup_context=_setup_context)
     for gemm, role in GEMMS.items():  # tensor parallelism: DTensor runs them on shards
@@ -93,6 +95,7 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, *args = inputs
     ctx.save_for_backward(x, weight)
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.weight_dtype = weight.dtype
     ctx.gemm_args, ctx.wgrad_bf16 = split_forward_args(tuple(args))
 
 
@@ -107,6 +110,8 @@ def _backward_of(recipe: Recipe):
                 grad_w = torch.mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
             else:
                 grad_w = recipe.op("linear_wgrad")(grad_out, x, *ctx.gemm_args)
+            if grad_w.dtype != ctx.weight_dtype:  # an FP32 weight gets its gradient in FP32, as autocast's cast gives
+                grad_w = grad_w.to(ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # Sum over tokens with an fp32 accumulator, rounded once to the bias dtype.
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)

@@ -15,6 +15,7 @@ import torch
 
 from moepass.recipes.base import Recipe
 
+from ..fresh_outputs import fresh_outputs
 from .gemm_args import check_multiple
 
 
@@ -42,12 +43,13 @@ def split_forward_args(args: tuple) -> tuple[tuple, bool]:
 
 
 def define_op(name: str, params: list[str], check: Callable, compute: Callable, output: Callable):
-    """Register moepass::<name>(params) -> Tensor. Real: check, then compute; fake: check, then an empty `output`
-    (so a bad call fails at compile time). All three take the op's arguments."""
+    """Register moepass::<name>(params) -> Tensor. Real: check, then compute, whose result the caller may view and
+    modify in place (fresh_outputs); fake: check, then an empty `output` (so a bad call fails at compile time). All
+    three take the op's arguments."""
 
     def impl(*args):
         check(*args)
-        return compute(*args)
+        return fresh_outputs(compute(*args), args)
 
     def fake(*args):
         check(*args)

@@ -59,18 +59,24 @@ def _m_grouped(tokens: Tensor, offs: Tensor, quantize_rhs: str, w_t: Tensor) -> 
     return unpad_token_groups(out, plan)
 
 
+def _bf16(w_t: Tensor) -> Tensor:
+    """torchao's DeepGEMM weight quantizers are checked on bf16 weights only (deepgemm_check): an fp32 master weight is
+    rounded to bf16 on this path alone."""
+    return w_t if w_t.dtype == BF16 else w_t.to(BF16)
+
+
 def forward(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
     """out = x[g] @ w_t[g] per token group; w_t [E, K, N] read per expert column-major, as torchao's op asserts."""
     from ..grouped_wgrad_bf16 import as_transposed_layout
 
-    return _m_grouped(x, offs, "quantize_forward_rhs", as_transposed_layout(w_t))
+    return _m_grouped(x, offs, "quantize_forward_rhs", as_transposed_layout(_bf16(w_t)))
 
 
 def dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
     """grad_x = grad_out[g] @ w_t[g].T per token group."""
     from ..grouped_wgrad_bf16 import as_transposed_layout
 
-    return _m_grouped(grad_out, offs, "quantize_dgrad_rhs", as_transposed_layout(w_t))
+    return _m_grouped(grad_out, offs, "quantize_dgrad_rhs", as_transposed_layout(_bf16(w_t)))
 
 
 def wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from ..grouped_wgrad_bf16 import as_transposed_layout
 from ..token_group_padding import pad_token_groups, plan_token_group_padding, unpad_token_groups
 from .kernels import kernel_preference, scale_mode
 
+BF16 = torch.bfloat16
 BLOCK = 32  # one E8M0 scale per 32 e4m3 elements along the reduction dim (the recipe's `multiple`)
 
 # ---- linears
@@ -48,15 +49,21 @@ def _to_mx_along_cols(t: Tensor, scale_rounding: str, kernel: str):
 
 
 def dequantized_rows(t: Tensor, scale_rounding: str) -> Tensor:
-    """t [R, C] quantized to MXFP8 along C (1x32 blocks) and dequantized to t's dtype: torchao's emulated numerics
-    (to_mx, then MXTensor.dequantize's e4m3 -> BF16 cast times the BF16 power-of-two scale; exact), in plain torch
-    so Inductor can fuse it (decomp.py)."""
+    """t [R, C] (bf16, or an fp32 weight) quantized to MXFP8 along C (1x32 blocks) and dequantized to BF16: torchao's
+    emulated numerics (to_mx, then MXTensor.dequantize's e4m3 -> BF16 cast times the BF16 power-of-two scale; exact),
+    in plain torch so Inductor can fuse it (decomp.py)."""
     with torchao_import():
         from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
 
     scale, q = to_mx(t.contiguous(), E4M3, BLOCK, scale_mode(scale_rounding))
-    blocks = q.to(t.dtype).reshape(-1, BLOCK) * get_fp_scale(scale).reshape(-1, 1).to(t.dtype)
+    blocks = q.to(BF16).reshape(-1, BLOCK) * get_fp_scale(scale).reshape(-1, 1).to(BF16)
     return blocks.reshape(t.shape)
+
+
+def _kernel_weight(weight: Tensor) -> Tensor:
+    """The weight as torchao's sm_100 casts take it: bf16 only (triton_to_mxfp8_dim0 asserts it), so an fp32 master
+    weight is rounded to bf16 on this path alone (the emulated path quantizes it straight from fp32)."""
+    return weight if weight.dtype == BF16 else weight.to(BF16)
 
 
 def _emulated_mm_nt(a: Tensor, b: Tensor, scale_rounding: str) -> Tensor:
@@ -71,7 +78,7 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale_roun
         y = _emulated_mm_nt(x2, weight, scale_rounding)
     else:
         y = torch.mm(_to_mx_along_rows(x2, scale_rounding, kernel),
-                     _to_mx_along_rows(weight, scale_rounding, kernel).t())
+                     _to_mx_along_rows(_kernel_weight(weight), scale_rounding, kernel).t())
     if bias is not None:
         y = y + bias  # bf16 add after the GEMM, as torchao's MXFP8Linear does (its quantize_ path drops bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -84,7 +91,7 @@ def linear_dgrad(grad_out: Tensor, weight: Tensor, scale_rounding: str, kernel: 
         grad_x = _emulated_mm_nt(go, weight.t(), scale_rounding)
     else:
         grad_x = torch.mm(_to_mx_along_rows(go, scale_rounding, kernel),
-                          _to_mx_along_cols(weight, scale_rounding, kernel).t())
+                          _to_mx_along_cols(_kernel_weight(weight), scale_rounding, kernel).t())
     return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
@@ -113,6 +120,7 @@ def grouped_forward(x: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: str, k
         from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_fwd
 
     plan = plan_token_group_padding(offs, x.shape[0], BLOCK)
+    w_t = w_t if kernel == "emulated" else _kernel_weight(w_t)
     out = _compute_fwd(pad_token_groups(x, plan), as_transposed_layout(w_t), plan.padded_offs, BLOCK,
                        torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
     return unpad_token_groups(out, plan)
@@ -124,6 +132,7 @@ def grouped_dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor, scale_rounding: s
         from torchao.prototype.moe_training.mxfp8_grouped_mm import _compute_dgrad
 
     plan = plan_token_group_padding(offs, grad_out.shape[0], BLOCK)
+    w_t = w_t if kernel == "emulated" else _kernel_weight(w_t)
     grad_x = _compute_dgrad(pad_token_groups(grad_out, plan), as_transposed_layout(w_t), plan.padded_offs,
                             BLOCK, torch.bfloat16, scale_mode(scale_rounding), kernel_preference(kernel))
     return unpad_token_groups(grad_x, plan)
