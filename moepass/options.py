@@ -122,6 +122,14 @@ class Lowp:
 
 
 @dataclasses.dataclass(frozen=True)
+class Auto:
+    """How recipe="auto" decides a GEMM its GPU's shipped table does not hold."""
+
+    measure: bool = option(True, "time FP8 against BF16 on this GPU for GEMMs its shipped table lacks (cached on "
+                                 "disk); False: the size rule")
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeOnce:
     saved_rows: Literal["auto", "fp8", "bf16"] = option(
         "auto", "rows quantize_once keeps for the experts' wgrad; auto: fp8 unless that turns an FP8 wgrad into BF16")
@@ -133,8 +141,8 @@ class DeepEP:
         "auto", "EP dispatch/combine implementation: auto picks DeepEP where it runs")
 
 
-SECTIONS: dict[str, type] = {"": Core, "inductor": Inductor, "lowp": Lowp, "quantize_once": QuantizeOnce,
-                             "deepep": DeepEP}
+SECTIONS: dict[str, type] = {"": Core, "inductor": Inductor, "lowp": Lowp, "auto": Auto,
+                             "quantize_once": QuantizeOnce, "deepep": DeepEP}
 """moepass's own option sections by prefix; each registered recipe adds its Options under its name."""
 
 

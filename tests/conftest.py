@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 # Inductor's CPU code without SIMD: its vectorized C++ codegen (tiling analysis in sympy) was a third of a compile
 # here, and these tests use Inductor's CPU backend only as a stand-in for the GPU's (the debug model's first compiled
@@ -9,6 +10,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Every GEMM a test compiles with moepass is rewritten or has its reason: an unaccounted one fails the compile that
 # found it (moepass.report.coverage), here and in every rank process and CLI subprocess (they inherit the environment).
 os.environ.setdefault("MOEPASS_STRICT_GEMMS", "1")
+# recipe="auto" caches what it measures on a GPU (moepass.recipes.measure): tests keep theirs apart from the user's
+os.environ.setdefault("MOEPASS_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"moepass-test-cache-{os.getpid()}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -54,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
 
 _LONGEST_FIRST = {name: i for i, name in enumerate((
     "test_tensor_parallel.py", "test_torchtitan.py", "test_torchtitan_trainer.py", "test_inductor_route.py", "test_docs_examples.py", "test_bounded_counts.py",
-    "test_ep_catalog_bounded.py", "test_hf_trainer.py", "test_unseen_models.py", "test_report_index.py", "test_ddp.py", "test_independent_models.py", "test_ep_scale.py", "test_pipeline_parallel.py", "test_model_ep.py", "test_deepep_pass.py", "test_deepep_pass_on_double.py", "test_bench.py",
+    "test_ep_catalog_bounded.py", "test_hf_trainer.py", "test_lightning.py", "test_unseen_models.py", "test_report_index.py", "test_ddp.py", "test_independent_models.py", "test_ep_scale.py", "test_pipeline_parallel.py", "test_model_ep.py", "test_deepep_pass.py", "test_deepep_pass_on_double.py", "test_bench.py",
     "test_sweep.py", "test_ep_catalog.py", "test_model_numerics.py", "test_activation_checkpoint.py", "test_cli.py",
     "test_backend_e2e.py", "test_hf_families.py", "test_converge.py", "test_bench_ep_dispatch.py", "test_install.py",
     "test_ac_user_styles.py", "test_ep_ops.py", "test_deepep_double.py", "test_toy_recipe.py", "test_model.py"))}

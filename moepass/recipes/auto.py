@@ -2,10 +2,13 @@
 
 MXFP8 on sm_100 and newer (native block-scaled FP8 tensor cores); FP8 rowwise on sm_89/sm_90 where it measured
 faster than BF16 for the GEMM's shape, BF16 where quantizing would cost more than the faster GEMM saves; MXFP8
-emulated on CPU (the reference numerics moepass is tested on). On the GPU kind the table in auto_table was measured
-on, a GEMM whose shape it holds is decided by its speedup at the graph's token count; any other GEMM by the size
-rule FP8_ROWWISE_MIN. Also measured here: which weight gradients fp8_rowwise keeps in BF16 by default
-(WGRAD_BF16_AUTO). Every decision comes with a reason a user can read in the report.
+emulated on CPU (the reference numerics moepass is tested on). Where FP8 rowwise is a candidate, one of three sources
+decides, and the reason names it:
+  1. the shipped table of this GPU model (auto_table: H100, H200), for the shapes and token counts it holds;
+  2. a measurement on this GPU (measure: timed once while the graph compiles, cached on disk), unless the option
+     auto.measure is off or the rows are data dependent (received by expert parallelism);
+  3. the size rule FP8_ROWWISE_MIN, read off the H200 table.
+Also measured here: which weight gradients fp8_rowwise keeps in BF16 by default (WGRAD_BF16_AUTO).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from moepass.device_arch import probe
 from moepass.analysis.graph import example_int
 
-from . import auto_table
+from . import auto_table, measure as measuring
 
 BF16 = "bf16"  # the choice that leaves a GEMM as it is (no recipe has this name)
 
@@ -78,13 +81,14 @@ def example_tokens(m) -> tuple[int | None, str]:
 
 
 def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
-                  experts: int | None = None, expected=None) -> tuple[str, str]:
+                  experts: int | None = None, expected=None, measure: bool = False) -> tuple[str, str]:
     """recipe="auto": ("mxfp8" | "fp8_rowwise" | BF16, reason) for one GEMM.
 
     kind: "linear" (y = x @ W.T, M tokens) or "grouped" (M routed rows over `experts` groups).
     m: int, SymInt or None; when unknown, the decision rests on K and N and the reason says so.
     expected: for a data-dependent M (rows received by expert parallelism), a callable giving the rows to expect
     (moepass.analysis.routed_rows.ExpectedRows, or None), decided on as if M were that; called only when needed.
+    measure: time FP8 against BF16 on this GPU for a shape its shipped table does not hold (the option auto.measure).
     """
     if kind not in FP8_ROWWISE_MIN:
         raise ValueError(f"kind={kind!r} is not one of {sorted(FP8_ROWWISE_MIN)}")
@@ -100,8 +104,6 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if kind == "grouped" and cc[0] != 9:
         return BF16, f"left in BF16: {arch} has no FP8 grouped GEMM (torch._scaled_grouped_mm rowwise needs sm_90)"
     need = FP8_ROWWISE_MIN[kind]
-    if need is None:
-        return BF16, f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch} ({THRESHOLDS_SOURCE})"
     tokens, how = example_tokens(m)
     expected = expected() if tokens is None and expected is not None else None
     if expected is not None:
@@ -111,14 +113,24 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
         per = "tokens per expert"
         tokens = None if tokens is None or not experts else tokens // experts
         if tokens is None:  # data dependent, and no expert-parallel exchange upstream to expect a count from
+            least = f"only from {need.tokens} tokens per expert" if need else "at no size"
             return BF16, (f"left in BF16: tokens per expert unknown at compile time ({how}); FP8 rowwise grouped "
-                          f"GEMMs won on {arch} only from {need.tokens} tokens per expert ({THRESHOLDS_SOURCE})")
-    table = auto_table.shipped()
-    if tokens is not None and table is not None and table.capability == cc:
+                          f"GEMMs won on {arch} {least} ({THRESHOLDS_SOURCE})")
+    table = auto_table.for_gpu(gpu.name)
+    if tokens is not None and table is not None:
         verdict = table.linear(k, n, tokens) if kind == "linear" else table.grouped(k, n, tokens, expected is not None)
         if verdict is not None:
             return _table_decision(verdict, arch, table, how)
-    if kind == "linear":  # the size rule: shapes the table does not hold
+    unmeasured = ""
+    if tokens is not None and measure and expected is None:  # received rows: static rows would flatter FP8
+        verdict, source = measuring.verdict(gpu.name, device, kind, k, n, tokens, experts)
+        if verdict is not None:
+            return _measured_decision(verdict, arch, source, how)
+        unmeasured = f"; {source}"
+    if need is None:
+        return BF16, (f"left in BF16: FP8 rowwise {kind} GEMMs were slower than BF16 on {arch}; decided by the size "
+                      f"rule ({THRESHOLDS_SOURCE}){unmeasured}")
+    if kind == "linear":  # the size rule: shapes neither the table nor a measurement decided
         work, least_work = k * n, "K*N"
     else:
         work, least_work = (None if tokens is None else tokens * k * n), f"{per}*K*N"
@@ -129,18 +141,25 @@ def choose_recipe(device: torch.device | str, kind: str, m, k: int, n: int,
     if small:
         size = f"M*K*N={tokens * k * n:.3g}" if kind == "linear" and tokens is not None else how
         return BF16, (f"left in BF16: too small for FP8 to win on {arch} ({', '.join(small)}; {size}); "
-                      f"thresholds: {THRESHOLDS_SOURCE}")
+                      f"decided by the size rule, thresholds: {THRESHOLDS_SOURCE}{unmeasured}")
     if expected is not None:  # the size rule was read off static rows, where the quantization fuses into producers
         return BF16, (f"left in BF16: FP8 rowwise was not measured for this expert MLP on rows received by "
                       f"expert parallelism ({how}); `python examples/bench_fp8_gemms.py --received-rows` measures it")
     return "fp8_rowwise", (f"{arch}: FP8 rowwise beats BF16 from K>={need.k}, N>={need.n}, {per}>={need.tokens}, "
-                           f"{least_work}>={need.work:.3g} ({THRESHOLDS_SOURCE}); here K={k} N={n}, {how}")
+                           f"{least_work}>={need.work:.3g}; here K={k} N={n}, {how}; decided by the size rule, "
+                           f"thresholds: {THRESHOLDS_SOURCE}{unmeasured}")
 
 
 def _table_decision(verdict: auto_table.Verdict, arch: str, table: auto_table.AutoTable,
                     how: str) -> tuple[str, str]:
-    source = f"{table.source}, measured on {table.gpu}"
+    source = f"decided by the shipped table {table.source}, measured on {table.gpu}"
     if verdict.fp8:
         return "fp8_rowwise", f"{arch}: FP8 rowwise wins here: {verdict.detail} ({how}; {source})"
     need = f"needs >= {auto_table.MIN_SPEEDUP:.2f}x"
     return BF16, f"left in BF16: FP8 rowwise does not pay here: {verdict.detail}; {need} ({how}; {source})"
+
+
+def _measured_decision(verdict: auto_table.Verdict, arch: str, source: str, how: str) -> tuple[str, str]:
+    if verdict.fp8:
+        return "fp8_rowwise", f"{arch}: FP8 rowwise wins here: {verdict.detail} ({how}; decided by {source})"
+    return BF16, f"left in BF16: FP8 rowwise does not pay here: {verdict.detail} ({how}; decided by {source})"

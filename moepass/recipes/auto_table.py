@@ -1,7 +1,9 @@
-"""The measured table behind recipe="auto" on Hopper: FP8 rowwise against BF16, per GEMM and per token count.
+"""The measured tables behind recipe="auto" on Hopper: FP8 rowwise against BF16, per GEMM and per token count.
 
-Each row is one GEMM shape at one token count, timed on one GPU by
-`python examples/bench_fp8_gemms.py --auto-table` (the command that re-derives this file), quantization included:
+One table per GPU model, shipped as moepass/recipes/fp8_auto_table_<gpu>.json and read only on the GPU model it was
+measured on (by name: an H100 moves 3.35 TB/s, an H200 4.8, so the same GEMM's margin differs). Each row is one
+GEMM shape at one token count, timed by `python examples/bench_fp8_gemms.py --auto-table` (the command that
+re-derives a table), quantization included:
 - linear rows: a linear's forward, dgrad and wgrad, compiled as moepass compiles them, (K, N) at M tokens;
 - grouped rows: a routed expert MLP in context (the gather of the routed tokens, w1 and w3, SiLU*up, w2,
   forward and backward), since alone each grouped GEMM loses while in the model Inductor fuses the
@@ -14,7 +16,8 @@ Each row is one GEMM shape at one token count, timed on one GPU by
 A GEMM whose shape the table holds is decided by the speedup at its token count, interpolated in log(tokens)
 between the two measured counts around it. Below the smallest count measured it stays BF16 (unmeasured, and
 FP8's margin shrinks with M); above the largest it takes the largest's (the margin grows with M). Shapes the
-table does not hold fall back to the size rule auto.FP8_ROWWISE_MIN.
+table does not hold are measured on the GPU itself (recipes.measure) or fall back to the size rule
+auto.FP8_ROWWISE_MIN.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import math
 import pathlib
 
 SCHEMA = "moepass.fp8_auto_table/1"
-# The table shipped with moepass, and the device kind it was measured on (other kinds use the fallback rule).
-SHIPPED = pathlib.Path(__file__).with_name("fp8_auto_table_h200.json")
+# The tables shipped with moepass: one file per GPU model, each naming the GPU it was measured on.
+SHIPPED_DIR = pathlib.Path(__file__).parent
+SHIPPED_GLOB = "fp8_auto_table_*.json"
+SHIPPED = SHIPPED_DIR / "fp8_auto_table_h200.json"  # the first table measured; the size rule was read off it
 SHIPPED_NAME = f"moepass/recipes/{SHIPPED.name}"  # as reasons quote it
 # FP8 must beat BF16 by this much to be picked: FP8 costs accuracy, and smaller margins are within the noise
 # of the timings (16B attention.wo, K=N=2048, measured 0.55x at M=16384 and 1.02x at M=32768).
@@ -105,8 +110,20 @@ def _interpolate(curve: list[tuple[int, float]], tokens: int, unit: str, what: s
 
 
 @functools.cache
+def shipped_tables() -> dict[str, AutoTable]:
+    """{GPU name as torch.cuda.get_device_name gives it: its table} for every table in the package."""
+    tables = {}
+    for path in sorted(SHIPPED_DIR.glob(SHIPPED_GLOB)):
+        table = AutoTable(json.loads(path.read_text()), f"moepass/recipes/{path.name}")
+        tables[table.gpu] = table
+    return tables
+
+
+def for_gpu(name: str) -> AutoTable | None:
+    """The shipped table measured on the GPU model `name`, or None (then GEMMs are measured or take the rule)."""
+    return shipped_tables().get(name)
+
+
 def shipped() -> AutoTable | None:
-    """The table in the package, or None when it is absent (then every GEMM takes the fallback rule)."""
-    if not SHIPPED.exists():
-        return None
-    return AutoTable(json.loads(SHIPPED.read_text()), SHIPPED_NAME)
+    """The H200 table (the size rule's source), or None when it is absent."""
+    return shipped_tables().get("NVIDIA H200")

@@ -39,13 +39,13 @@ class GemmPlan:
 
 
 def resolve_recipe(requested: str, device: torch.device | str, kind: str, m, k: int, n: int,
-                   experts: int | None = None, expected=None) -> tuple[str, str]:
+                   experts: int | None = None, expected=None, measure: bool = False) -> tuple[str, str]:
     """The `recipe` option applied to one GEMM: an explicit recipe is honoured, "auto" chooses (a recipe's name,
     or auto.BF16 to leave it alone)."""
     if requested != AUTO and requested not in RECIPES:
         raise OptionsError(f"moepass: recipe={requested!r} is not one of {[AUTO, *RECIPES]}")
     if requested == AUTO:
-        return choose_recipe(device, kind, m, k, n, experts, expected)
+        return choose_recipe(device, kind, m, k, n, experts, expected, measure)
     return requested, f"recipe={requested!r} requested"
 
 
@@ -54,7 +54,9 @@ def plan_gemm(config, kind: str, device: torch.device, m, k: int, n: int, expert
     """A GemmPlan for a `kind` ("linear" or "grouped") GEMM of M x K x N, or the reason it is left alone.
 
     expected: a callable giving the rows to expect where M is data dependent (recipes.auto.choose_recipe)."""
-    name, why = resolve_recipe(config["recipe"], device, kind, m, k, n, experts=experts, expected=expected)
+    requested = config["recipe"]
+    name, why = resolve_recipe(requested, device, kind, m, k, n, experts=experts, expected=expected,
+                               measure=requested == AUTO and config["auto.measure"])
     recipe = RECIPES.get(name)
     if recipe is None:  # recipe=auto left it in BF16
         return Reason(SkipCode.LEFT_IN_BF16, why)

@@ -53,10 +53,11 @@ def test_a_table_of_another_schema_is_refused_saying_how_to_re_derive_it():
         AutoTable({"schema": "moepass.fp8_auto_table/0", "linear": [], "grouped": []}, "old.json")
 
 
-def test_the_shipped_table_loads_and_answers_each_row_with_its_own_measurement():
-    shipped = auto_table.shipped()
-    assert shipped is not None and shipped.capability == (9, 0) and "H200" in shipped.gpu
-    data = json.loads(auto_table.SHIPPED.read_text())
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_each_shipped_table_loads_and_answers_each_row_with_its_own_measurement(gpu):
+    shipped = auto_table.for_gpu(gpu)
+    assert shipped is not None and shipped.capability == (9, 0) and shipped.gpu == gpu
+    data = json.loads((auto_table.SHIPPED_DIR / shipped.source.rsplit("/", 1)[1]).read_text())
     assert data["linear"] and data["grouped"] and data["commit"] and "--auto-table" in data["command"]
     for r in data["linear"]:
         assert shipped.linear(r["K"], r["N"], r["tokens"]).speedup == r["speedup"]
@@ -65,18 +66,33 @@ def test_the_shipped_table_loads_and_answers_each_row_with_its_own_measurement()
         assert shipped.grouped(r["dim"], r["inter"], r["tokens_per_expert"]).speedup == r["speedup"]
 
 
-def test_the_table_decides_only_on_the_gpu_kind_it_was_measured_on(monkeypatch):
-    import torch
+def test_the_h200_table_is_the_one_the_size_rule_was_read_off():
+    assert auto_table.shipped() is auto_table.for_gpu("NVIDIA H200") and auto_table.SHIPPED.name in \
+        auto_table.shipped().source
 
-    from moepass.recipes import auto
+
+def _gpu(monkeypatch, name: str, capability=(9, 0)):
+    import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(auto_table, "shipped", lambda: table(linear=[(4096, 4096, 16384, 0.5)]))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_a_table_decides_only_on_the_gpu_model_it_was_measured_on(monkeypatch):
+    from moepass.recipes import auto
+
+    # 16B attention.wq at 32,768 tokens: 1.07x on the H200, 1.017x on the H100 (under the 1.03x margin)
+    _gpu(monkeypatch, "NVIDIA H200")
+    recipe, reason = auto.choose_recipe("cuda", "linear", 32768, 2048, 3072)
+    assert recipe == "fp8_rowwise" and "decided by the shipped table moepass/recipes/fp8_auto_table_h200.json" in reason
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    recipe, reason = auto.choose_recipe("cuda", "linear", 32768, 2048, 3072)
+    assert recipe == "bf16" and "1.02x" in reason and "fp8_auto_table_h100.json" in reason, reason
+    _gpu(monkeypatch, "NVIDIA H800")  # same capability, no table: the size rule (measuring is off here)
+    recipe, reason = auto.choose_recipe("cuda", "linear", 32768, 2048, 3072)
+    assert "decided by the size rule" in reason and "fp8_auto_table" not in reason.split("thresholds")[0]
+    _gpu(monkeypatch, "NVIDIA L40S", capability=(8, 9))  # sm_89: no table, the size rule
     recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)
-    assert recipe == "bf16" and "0.50x" in reason and "test table" in reason
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # the size rule
-    recipe, reason = auto.choose_recipe("cuda", "linear", 16384, 4096, 4096)
-    assert recipe == "fp8_rowwise" and auto.THRESHOLDS_SOURCE in reason
+    assert recipe == "fp8_rowwise" and auto.THRESHOLDS_SOURCE in reason and "size rule" in reason
