@@ -13,6 +13,9 @@ Checked on transformers' tiny DeepSeek-V3 and Qwen3-MoE (tests/integration/test_
 steps on the same weights and batches: through the route, every grouped GEMM and the family's linears are rewritten
 to moepass ops in one graph, and each step's loss matches plain `backend="inductor"` within the recipe's noise; the
 route is removed afterwards. Inductor-CPU compiles are the slow part: Qwen3-MoE runs with `pytest -m extended`.
+
+`TrainingArguments(bf16=True)` on an FP32-loaded DeepSeek-V3 (the last section) runs each step under autocast: the
+linears are rewritten, HF's experts run in FP32 (kept, with the reason), and losses match Inductor's the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 import moepass
 from moepass import inductor_route
-from test_hf_families import FAMILIES, LRU_CACHE_WARNING, MXFP8_OPTIONS, build
+from test_hf_families import FAMILIES, LRU_CACHE_WARNING, MXFP8_OPTIONS, TINY, build
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -147,3 +150,63 @@ def test_accelerate_refuses_the_backend_name(tmp_path):
     args = training_args(tmp_path, torch_compile=True, torch_compile_backend="moepass")
     with pytest.raises(ValueError, match="'MOEPASS' is not a valid DynamoBackend"):
         transformers.Trainer(model=build("DeepseekV3"), args=args, train_dataset=TokenRows(256))
+
+
+# ---------------------------------------------------------------- Trainer(bf16=True) on FP32 weights
+
+# DeepSeek-V3 under Trainer(bf16=True) on FP32 weights: autocast runs the 16 linears in BF16 and moepass rewrites them
+# (the router gate and lm_head kept BF16 as on a BF16 model). HF's experts cast their input to the weight's dtype and
+# autocast does not cast torch._grouped_mm, so the 2 expert GEMMs run in FP32, and are kept so, with code NOT_BF16.
+AUTOCAST_LINEARS, AUTOCAST_KEPT = 16, {"NOT_BF16": 2, "OUTPUT_HEAD": 1, "ROUTER_GATE": 1}
+
+
+def build_fp32(name: str):
+    """The family's model at TINY sizes as `from_pretrained` loads it by default: FP32 weights, seeded."""
+    cfg = getattr(transformers, f"{name}Config")(**{**TINY, **FAMILIES[name].config})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(cfg)
+
+
+def assert_rewritten_under_autocast(report) -> None:
+    d, cov = report.to_dict(), report.coverage()
+    assert (d["graphs"], report.graph_breaks) == (1, 0)
+    replaced = {p["name"]: p["replaced"] for p in d["passes"]}
+    assert (replaced["grouped_mm"], replaced["linear"]) == (0, AUTOCAST_LINEARS), replaced
+    assert (cov["low_precision"], cov["bf16"], cov["unaccounted"]) == (AUTOCAST_LINEARS, AUTOCAST_KEPT, 0), cov
+    experts = [s for p in d["passes"] if p["name"] == "grouped_mm" for s in p["skipped"]]
+    assert len(experts) == 2 and all("autocast" in s["reason"] for s in experts), experts  # the reason names it
+
+
+def test_trainer_bf16_on_fp32_weights_through_the_inductor_route(tmp_path, route_removed_after):
+    """Trainer(bf16=True) on an FP32-loaded model: accelerate wraps the forward in torch.autocast(bfloat16) and then
+    compiles it, so the region is entered inside the compiled function. Losses within the recipe's noise of plain
+    Inductor under the same Trainer; the weights stay FP32."""
+    plain = training_args(tmp_path / "inductor", torch_compile=True, bf16=True)
+    base_losses, base_grad_norms, _, _ = train(build_fp32("DeepseekV3"), plain)
+
+    inductor_route.install()
+    model = build_fp32("DeepseekV3")
+    losses, grad_norms, report, trainer = train(model, training_args(tmp_path / "route", torch_compile=True, bf16=True))
+    inductor_route.uninstall()
+
+    assert_compiled_by_accelerate(trainer)
+    assert_rewritten_under_autocast(report)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert len(losses) == STEPS and all(map(math.isfinite, losses + grad_norms))
+    assert losses == pytest.approx(base_losses, rel=LOSS_RTOL)
+    assert grad_norms == pytest.approx(base_grad_norms, rel=GRAD_NORM_RTOL)
+
+
+def test_trainer_bf16_on_fp32_weights_with_a_model_compiled_by_moepass(tmp_path):
+    """The model compiled with backend="moepass" before Trainer(bf16=True): accelerate's autocast wraps the compiled
+    call (entered around it). Inductor off to keep it quick; losses within the recipe's noise of the same Trainer
+    uncompiled."""
+    eager_losses, eager_grad_norms, _, _ = train(build_fp32("DeepseekV3"), training_args(tmp_path / "eager", bf16=True))
+    compiled = torch.compile(build_fp32("DeepseekV3"), backend="moepass", options=MXFP8_OPTIONS)
+    losses, grad_norms, report, trainer = train(compiled, training_args(tmp_path / "moepass", bf16=True,
+                                                                          remove_unused_columns=False))
+    assert trainer.model_wrapped is compiled
+    assert_rewritten_under_autocast(report)
+    assert all(map(math.isfinite, losses + grad_norms))
+    assert losses == pytest.approx(eager_losses, rel=LOSS_RTOL)
+    assert grad_norms == pytest.approx(eager_grad_norms, rel=GRAD_NORM_RTOL)
