@@ -4,6 +4,7 @@
     report = moepass.inspect(model, tokens)                   # what each pass rewrote, and why not
 """
 
+from . import ops  # noqa: F401  (first: every op and built-in recipe registered for any `import moepass.<anything>`)
 from .report.collect import collecting, last_report
 from .inspect import inspect
 from .options import PIPELINE, Config, OptionsError

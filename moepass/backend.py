@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import sys
 
-import torch
 from torch import fx
 
 from .report import collect
@@ -32,9 +31,10 @@ def inductor_patches(config: Config) -> dict:
     first, then `inductor.options` over them."""
     import torch._inductor
 
-    mode = config["inductor.mode"]
+    inductor = config.section("inductor")
+    mode = inductor.mode
     patches = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
-    patches.update(config["inductor.options"])
+    patches.update(inductor.options)
     return patches
 
 
@@ -49,13 +49,13 @@ def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = No
     config = Config.from_options(options, mode)
     import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
 
-    record = run_pipeline(gm, example_inputs, config)
+    record = run_pipeline(gm, config)
     report = collect.current_report(config, _compile_call())
     held = report.add_graph(record)
     if log.isEnabledFor(logging.INFO):  # the summary covers every graph of the report: not built unless shown
         log.info("%s", report.summary())
     collect.save_graph(report, held)  # to every report_dir of the report; never raises
-    if not config["inductor"]:  # the custom ops carry their own autograd, so eager training works too
+    if not config.section("").inductor:  # the custom ops carry their own autograd, so eager training works too
         return collect.reporting_runs(gm.forward, record)
     from torch._inductor.compile_fx import compile_fx
 

@@ -100,7 +100,7 @@ def cmd_options(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    import moepass
+    from moepass.inspect import inspect
 
     device = torch.device(args.device)
     _say(f"moepass inspect: building {args.flavor} DeepSeek-V3 on {device} ...")
@@ -108,7 +108,7 @@ def cmd_inspect(args) -> int:
     train_tokens, _ = load_corpus()
     inputs, _ = Batches(train_tokens, args.batch, args.seq)[0]
     _say("compiling with backend='moepass' and running one forward ...")
-    report = moepass.inspect(model, inputs.to(device), options=_options(args))
+    report = inspect(model, inputs.to(device), options=_options(args))
     _say(report.summary())
     if args.out:
         path = report.save(args.out)
@@ -128,13 +128,13 @@ def cpu_speed_note(inductor_s: float, moepass_s: float) -> str:
 
 
 def cmd_demo(args) -> int:
-    import moepass
+    from moepass.inspect import inspect
 
     device = torch.device(args.device)
     _say(f"moepass demo: torch {torch.__version__}, device {device}, flavor {args.flavor}")
     if device.type == "cpu" and "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
         # The demo shows rewrites and numerics, not CPU speed: Inductor's vectorized C++ codegen (sympy tiling
-        # analysis) was 30% of the demo's time on 2 cores (104 -> 73 s, same losses). Export the variable to keep it.
+        # analysis) slows its compiles (docs/install.md has the figure). Export the variable to keep it.
         torch._inductor.config.cpp.vec_isa_ok = False
     _say("[1/4] building the DeepSeek-V3 reference model (BF16) and loading text (stdlib source, bytes) ...")
     base = _build(args, device)
@@ -144,7 +144,7 @@ def cmd_demo(args) -> int:
     batches = Batches(train_tokens, args.batch, args.seq, seed=args.seed)
 
     _say("[2/4] inspecting: compiling with backend='moepass' (forward graphs, what each pass did) ...")
-    report = moepass.inspect(copy.deepcopy(base), batches[0][0].to(device), options=_options(args))
+    report = inspect(copy.deepcopy(base), batches[0][0].to(device), options=_options(args))
     _say(report.summary())
     if args.out:
         _say(f"      full report: {report.save(args.out)}")

@@ -71,11 +71,6 @@ def is_dynamo_graph(gm: fx.GraphModule | None) -> bool:
     return gm is not None and "dynamo_compile_id" in gm.meta
 
 
-def _example_inputs(gm: fx.GraphModule) -> list:
-    """The placeholders' fake values (the custom-pass hook gets the graph only; no pass reads them)."""
-    return [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
-
-
 def _data_hash() -> str:
     """moepass's data files that shape a rewrite (the measured FP8 table), which source_hash (.py only) leaves out."""
     digest = hashlib.sha256()
@@ -99,7 +94,7 @@ class MoepassPreGradPass(CustomGraphPass):
             return  # a HOP body: run_pipeline rewrites it from the graph that calls it
         import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
 
-        record = run_pipeline(gm, _example_inputs(gm), self.config)
+        record = run_pipeline(gm, self.config)
         report = collect.current_report(self.config, None)
         held = report.add_graph(record)
         self.graphs[gm.meta["dynamo_compile_id"]] = (record, lambda: collect.save_graph(report, held))

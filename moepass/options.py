@@ -148,7 +148,7 @@ SECTIONS: dict[str, type] = {"": Core, "inductor": Inductor, "lowp": Lowp, "auto
 
 def options_table() -> tuple[Option, ...]:
     """Every option, as `moepass options` lists them: moepass's own sections, then each registered recipe's."""
-    from moepass.recipes.registry import RECIPES  # here, not at import: importing it registers every recipe's ops
+    from moepass.recipes.registry import RECIPES
 
     return _table(tuple(RECIPES.values()))
 
@@ -179,10 +179,12 @@ def _deprecated(what: str, old: str, new: str, stacklevel: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Validated options. Read values with `config["lowp.exclude"]` (an old key reads its new one, with a warning),
-    a prefix's options typed with `config.section("lowp")`."""
+    """Validated options. Read a prefix's options typed with `config.section("lowp").exclude`; `config["lowp.exclude"]`
+    reads one by key (an old key reads its new one, with a warning)."""
 
     values: Mapping[str, Any]
+    # sections already read, by prefix: frozen dataclasses of these frozen values, so passes may read them per node
+    _sections: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getitem__(self, key: str) -> Any:
         if key in self.values:
@@ -196,6 +198,11 @@ class Config:
     def section(self, prefix: str):
         """The options under `prefix` ("" for the unprefixed ones, "lowp", "inductor", ..., a recipe's name) as
         their frozen dataclass."""
+        if prefix not in self._sections:
+            self._sections[prefix] = self._read_section(prefix)
+        return self._sections[prefix]
+
+    def _read_section(self, prefix: str):
         from moepass.recipes.registry import RECIPES
 
         if prefix in SECTIONS:

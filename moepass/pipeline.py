@@ -1,7 +1,7 @@
 """What moepass does to a graph, in one place: the passes on the Dynamo graph, then the stage inside Inductor.
 
 1. PASSES (moepass/passes/, in this order) rewrite the Dynamo graph: run_pipeline runs the enabled ones and records
-   what each did. A pass exposes `NAME`, `SUMMARY` and `run(gm, example_inputs, config, record) -> None`;
+   what each did. A pass exposes `NAME` and `run(gm, config, record) -> None`;
    `options["passes"]` picks a subset, the order stays this one (moepass.options.PIPELINE names it; a test keeps
    the two equal).
 2. After the passes, on the same graph: selective-AC policies are shown the new GEMM ops (inductor_stage/sac_policy),
@@ -66,15 +66,15 @@ def graph_code(gm: fx.GraphModule) -> str:
     return "".join(parts)
 
 
-def run_pipeline(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRecord:
+def run_pipeline(gm: fx.GraphModule, config: Config) -> GraphRecord:
     """Rewrite `gm` (and the HOP bodies in it) in place with every enabled pass; return what happened."""
     with module_paths.indexing():  # full module paths, also for graphs of a frame resumed after a break
-        record = _run_passes(gm, example_inputs, config)
+        record = _run_passes(gm, config)
     torch_logs.trace_graph_report(record)  # TORCH_TRACE + tlparse: the pass report beside Dynamo's graphs
     return record
 
 
-def _run_passes(gm: fx.GraphModule, example_inputs, config: Config) -> GraphRecord:
+def _run_passes(gm: fx.GraphModule, config: Config) -> GraphRecord:
     code_before = graph_code(gm)
     ops_before = op_histogram(gm)
     records, code_after = [], {}
@@ -84,7 +84,7 @@ def _run_passes(gm: fx.GraphModule, example_inputs, config: Config) -> GraphReco
         torch_logs.trace_pass_graph(name, "before", lambda code=code: code)
         record = PassRecord(name)
         start = time.perf_counter()
-        mod.run(gm, example_inputs, config, record)
+        mod.run(gm, config, record)
         for scope in reversed(graph_scopes(gm)):  # bodies first: a parent's code calls them
             scope.graph.lint()
             scope.gm.recompile()

@@ -30,10 +30,9 @@ from moepass.analysis.ep_region import find_ep_regions, result_readers
 from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.emit import Emitter, fake_value
 from moepass.analysis.graph import between, example_value, graph_order, is_guard, tensor_meta, written_buffer
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 NAME = "deepep"
-SUMMARY = "EP all-to-all dispatch/combine regions -> moepass::ep_dispatch / ep_combine (DeepEP semantics)"
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 _REGION_SCOPES = ("top", "activation checkpoint", "wrap", "nested compile region")
 
 
-def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+def run(gm: fx.GraphModule, config, record) -> None:
     for scope in graph_scopes(gm):
         if scope.kind in _REGION_SCOPES:
             with record.in_scope(scope):
@@ -64,10 +63,11 @@ def _run_scope(gm: fx.GraphModule, config, record) -> None:
                 "in this frame's trace (moepass.dynamo_flags traced it again without it): the received row count could "
                 "not be traced"))
             continue
+        requested = config.section("deepep").backend
         backend, why = choose_ep_backend(region.group_name, tensor_meta(region.x).device, region.num_experts,
-                                         config["deepep.backend"])
+                                         requested)
         if backend == "deepep" and tensor_meta(region.x).dtype != torch.bfloat16:
-            if config["deepep.backend"] == "deepep":
+            if requested == "deepep":
                 dtype = tensor_meta(region.x).dtype
                 record.skip(region.token_a2a.node, region.module, Reason(
                     SkipCode.DEEPEP_BF16, f"DeepEP takes bfloat16 tokens, x is {dtype}; use deepep.backend=reference"))

@@ -1,9 +1,10 @@
 """grouped_mm (old name: mxfp8_grouped_mm): `torch._grouped_mm(x, w_t, offs=...)` expert GEMMs ->
-moepass::mxfp8_grouped_mm or moepass::fp8_rowwise_grouped_mm, per the `recipe` option (moepass.recipes).
+moepass::<recipe>_grouped_mm (mxfp8, fp8_rowwise or blockwise), per the `recipe` option (moepass.recipes).
 
 The 2-D x 3-D form with int32 group-end offsets is the routed-experts GEMM of MoE layers
 (torchtitan, HF transformers' grouped_mm experts, our models/). Its forward, dgrad and wgrad run
-in FP8 (MXFP8, or rowwise e4m3 on Hopper); token group alignment is handled inside the ops, never visibly.
+in FP8 (MXFP8, rowwise e4m3 on Hopper, or DeepSeek-V3's blockwise e4m3 on request; the wgrad in BF16 under the
+recipe's wgrad_bf16 option); token group alignment is handled inside the ops, never visibly.
 Autocast does not cast torch._grouped_mm: models running under it cast the operands themselves (torchtitan:
 `w.bfloat16().transpose(-2, -1)`), and the op reads the FP32 weight through that cast (no BF16 copy is made).
 """
@@ -28,11 +29,9 @@ from moepass.analysis.gemm_rules import module_filter_problem
 from moepass.analysis.autocast import Bf16Gemm, gemm_precision
 from moepass.analysis.bf16_operands import cast_to_bf16, erase_unused, without_bf16_copy
 from moepass.recipes.plan import apply_plan, plan_gemm
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 NAME = "grouped_mm"
-SUMMARY = ("torch._grouped_mm(x[M,K], w_t[E,K,N], offs) -> moepass::mxfp8_grouped_mm or fp8_rowwise_grouped_mm "
-           "(fwd and dgrad in FP8; the wgrad in FP8 or BF16 per the recipe's wgrad_bf16 option)")
 log = logging.getLogger(__name__)
 
 
@@ -81,7 +80,7 @@ def _problem(m: GroupedMMMatch, config) -> Reason | Bf16Gemm:
     return gemm_precision(m.node, m.scope, "torch._grouped_mm", {"activation": m.x, "weight": m.w_t})
 
 
-def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+def run(gm: fx.GraphModule, config, record) -> None:
     routed_rows = functools.cache(lambda: RoutedRows(gm))  # built only if a row count is data dependent
     read_as = read_as_grouped_mm(gm)  # custom ops that compute torch._grouped_mm (transformers' FP32 experts) become it
     for m in find_grouped_mms(gm):

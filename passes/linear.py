@@ -1,8 +1,9 @@
-"""linear (old name: mxfp8_linear): BF16 linears -> moepass::mxfp8_linear or moepass::fp8_rowwise_linear
-(all three GEMMs in FP8).
+"""linear (old name: mxfp8_linear): BF16 linears -> moepass::<recipe>_linear (mxfp8, fp8_rowwise or blockwise; all
+three GEMMs in FP8).
 
 The `recipe` option picks the op per node (moepass.recipes; "auto": recipes.auto): MXFP8 on sm_100 and on CPU, FP8
-rowwise on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere.
+rowwise on sm_89/sm_90 where it measured faster than BF16, BF16 (node left alone, with the reason) elsewhere;
+blockwise only on request.
 Every GEMM on a parameter is found, however spelled (moepass.analysis.gemm_spellings reads `F.linear`, `x @ W.t()`,
 `x @ W` on a [K, N] weight, `x_e @ W[e]` on an expert stack, addmm and two-operand einsums as y = x @ W.T): each is
 rewritten, or left alone with its reason (a batched product per head or expert has no low-precision op). By default
@@ -39,11 +40,9 @@ from moepass.analysis.gemm_rules import module_filter_problem
 from moepass.analysis.autocast import Bf16Gemm, gemm_precision
 from moepass.analysis.bf16_operands import cast_to_bf16, erase_unused, without_bf16_copy
 from moepass.recipes.plan import apply_plan, plan_gemm
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 NAME = "linear"
-SUMMARY = ("BF16 linears (F.linear, x @ W.T, x @ W, x_e @ W[e], einsum) -> moepass::mxfp8_linear or "
-           "fp8_rowwise_linear (per the recipe); router gate and output head stay BF16")
 log = logging.getLogger(__name__)
 
 # ops that pick experts: the router is the linear whose scores reach one of these before any GEMM
@@ -142,10 +141,11 @@ def _problem(m: LinearMatch, config) -> Reason | Bf16Gemm:
     problem = left_to_torchao(m.node, config) or m.problem  # what the user converted with torchao stays theirs
     if problem:
         return problem
-    if m.role == "router" and config["lowp.keep_router_bf16"]:
+    lowp = config.section("lowp")
+    if m.role == "router" and lowp.keep_router_bf16:
         return Reason(SkipCode.ROUTER_GATE, "router gate: its output feeds expert selection (top-k, arg-max, sort) "
                                             "(kept BF16; lowp.keep_router_bf16)")
-    if m.role == "output_head" and config["lowp.keep_output_head_bf16"]:
+    if m.role == "output_head" and lowp.keep_output_head_bf16:
         return Reason(SkipCode.OUTPUT_HEAD, f"output head (vocabulary projection) {m.module!r}: {m.why} (kept BF16 "
                                             "by lowp.keep_output_head_bf16)")
     problem = module_filter_problem(m.module, config)
@@ -162,7 +162,7 @@ def _problem(m: LinearMatch, config) -> Reason | Bf16Gemm:
     return precision
 
 
-def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+def run(gm: fx.GraphModule, config, record) -> None:
     scopes = Scopes(gm)
     for m in find_linears(gm, scopes):
         with record.in_scope(m.scope):
@@ -225,7 +225,7 @@ def _rewrite(m: LinearMatch, config, record, scopes: Scopes) -> None:
     note = f"; {m.why}, so eligible" if m.why and m.role is None else ""
     moved = _output_in_order(m)
     apply_plan(record, m.scope.graph, m.node, m.module, plan, (x_node, w_node, bias),
-               f"K={k} N={n}{shards}{spelled}{note}{precision}{_weight_note(m, w_node)}"
+               f"K={k} N={n}{shards}{spelled}{note}{precision}{_weight_note(w_node)}"
                f"{taken_from_torchao(m.node)}")
     erase_unused(m.scope.graph, m.weight)  # the BF16 copy of a float32 weight, where the op reads the weight itself
     if moved is not None:  # the op's output holds N last; the einsum's user reads it where the einsum put it
@@ -234,7 +234,7 @@ def _rewrite(m: LinearMatch, config, record, scopes: Scopes) -> None:
         op.meta.pop("val", None)
 
 
-def _weight_note(m: LinearMatch, w_node: fx.Node) -> str:
+def _weight_note(w_node: fx.Node) -> str:
     w = tensor_meta(w_node)
     return f"; W read in {w.dtype} (quantized from it, no BF16 copy)" if w.dtype != torch.bfloat16 else ""
 

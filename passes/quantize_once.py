@@ -20,7 +20,8 @@ time, keeps Inductor from fusing it). The combine and every gradient stay BF16, 
 go as DeepEP's FP8 tokens, (e4m3 [T, H], fp32 [T, H/128]): blockwise's 1x128 tiles are that layout, fp8_rowwise's one
 scale a row is that layout with the scale repeated (exact); other scales stay BF16 with the reason.
 
-Runs after grouped_mm, on its ops; a GEMM it cannot serve stays as grouped_mm left it, with the reason.
+Runs after grouped_mm, on its ops (fp8_rowwise's and blockwise's; mxfp8's have no rows form, their kernels quantize x
+themselves); a GEMM it cannot serve stays as grouped_mm left it, with the reason.
 """
 
 from __future__ import annotations
@@ -38,13 +39,11 @@ from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.emit import Emitter
 from moepass.analysis.graph import example_value, replace_node, tensor_meta
 from moepass.analysis.node_module import module_path
-from moepass.analysis.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
+from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
 from moepass.ops.ep import deepep
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 NAME = "quantize_once"
-SUMMARY = ("moepass::<recipe>_grouped_mm(x[idx], ...) -> <recipe>_grouped_mm_rows(x[idx], q[idx], scale[idx], ...) "
-           "with q, scale = <recipe>_quantize_rows(x): expert rows quantized once, before their gather")
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def same_rows_as(node: fx.Node) -> fx.Node | None:
     return source
 
 
-def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+def run(gm: fx.GraphModule, config, record) -> None:
     for scope in graph_scopes(gm):
         quantized = {}  # (gathered node, settings, kernel) -> its (q, scale) nodes: w1 and w3 share them
         with record.in_scope(scope):
@@ -122,7 +121,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, form, config, record, quantized: di
     with graph.inserting_before(node):
         q, scale, gathers = _quantized_rows(Emitter(graph, value.fake_mode), x, form, tuple(settings), kernel,
                                             quantized)
-    saved_fp8 = _keeps_fp8_rows(config["quantize_once.saved_rows"], form, wgrad_bf16)
+    saved_fp8 = _keeps_fp8_rows(config.section("quantize_once").saved_rows, form, wgrad_bf16)
     new = replace_node(graph, node, form.grouped_mm.default, (x, q, scale, w_t, offs, saved_fp8, *rest))
     where = f"quantized before {gathers} gather(s) of rows" if gathers else "quantized where they are"
     saved = "FP8 rows saved for the wgrad" if saved_fp8 else "BF16 rows saved for the wgrad"

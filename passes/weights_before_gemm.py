@@ -36,11 +36,9 @@ from moepass.analysis.torchao_converted import left_to_torchao
 from moepass.analysis.emit import Emitter, fake_value
 from moepass.analysis.graph import ancestors, is_grouped_mm, is_linear, is_matmul, node_arg, tensor_meta
 from moepass.analysis.node_module import module_path
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 NAME = "weights_before_gemm"
-SUMMARY = ("G(h, W) * w[:, None] -> G(h * w[:, None], W): a per-row (routing) weight of a GEMM's output applied to "
-           "its input, so the backward keeps no unweighted [N, D] output")
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +47,7 @@ _CASTS = {"to", "float", "bfloat16", "half", "double", "type_as"}  # value-keepi
 _PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
 
 
-def run(gm: fx.GraphModule, example_inputs, config, record) -> None:
+def run(gm: fx.GraphModule, config, record) -> None:
     for scope in graph_scopes(gm):
         with record.in_scope(scope):
             for node in list(scope.graph.nodes):

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 from .graph import tensor_meta
 from .scopes import Scope, hop_name

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from moepass.analysis.graph import ancestors, tensor_meta
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 from .ep_parts import EPRegion, Mismatch, expert_counts_candidates, expert_output_candidates
 from .evaluate import NotEvaluable
 from .evaluate import evaluate as evaluate_at

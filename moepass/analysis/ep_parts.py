@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from moepass.analysis.graph import ancestors, between, graph_order, static_shape, tensor_meta, written_buffer
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 from .collectives import AllToAll
 from .symbols import same, size_expr
@@ -64,7 +64,7 @@ class RegionSkip:
 
 class Mismatch(Exception):
     """The region does not compute what DeepEP's dispatch/combine compute; `reason` says where, `code` which
-    documented reason it is (moepass.report.skips).
+    documented reason it is (moepass.skips).
 
     `stage` orders how far the analysis got (naming the parts, then each evaluation check): when several
     readings of a region fail, the reason of the one that got furthest is the one a user can act on."""

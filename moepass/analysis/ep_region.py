@@ -27,7 +27,7 @@ from torch import fx
 
 from moepass.analysis.graph import ancestors, between, data_inputs, data_users, example_value, graph_order, is_guard, is_unused, later_values, nearest_ancestors, static_int, static_shape, tensor_meta, written_buffer
 from moepass.analysis.node_module import module_path
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 from .collectives import AllToAll, find_all_to_alls
 from .counts_length import bincount_lengths, pin

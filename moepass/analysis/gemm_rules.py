@@ -7,16 +7,21 @@ precision a GEMM runs in (BF16 as held, BF16 by autocast, or not) is moepass.ana
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .graph import matches_any
-from ..options import Config
-from ..report.skips import Reason, SkipCode
+from ..skips import Reason, SkipCode
+
+if TYPE_CHECKING:  # a type only: options.py sits above analysis/
+    from ..options import Config
 
 
 def module_filter_problem(path: str, config: Config) -> Reason | None:
-    hit = matches_any(path, config["lowp.exclude"])
+    lowp = config.section("lowp")
+    hit = matches_any(path, lowp.exclude)
     if hit is not None:
         return Reason(SkipCode.EXCLUDED, f"excluded by lowp.exclude pattern {hit!r}")
-    if matches_any(path, config["lowp.include"]) is None:
+    if matches_any(path, lowp.include) is None:
         return Reason(SkipCode.NOT_INCLUDED,
-                      f"module path {path!r} matches no lowp.include pattern {list(config['lowp.include'])}")
+                      f"module path {path!r} matches no lowp.include pattern {list(lowp.include)}")
     return None

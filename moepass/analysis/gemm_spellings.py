@@ -24,7 +24,7 @@ import dataclasses
 from torch import fx
 
 from moepass.analysis.graph import is_addmm, is_batched_mm, is_einsum, is_linear, is_matmul, node_arg, tensor_meta
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 from .gemms import Scopes, weight_source
 

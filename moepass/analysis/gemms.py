@@ -1,7 +1,7 @@
 """GEMM nodes of a Dynamo graph and its HOP bodies, and which of a GEMM's operands is a weight (a parameter).
 
 A GEMM is any matrix product torch or moepass spells: linear, matmul / `@`, mm, bmm, baddbmm, addmm, addbmm, einsum,
-torch._grouped_mm, torch._scaled_mm, SDPA (attention's two products), or a moepass GEMM op (moepass.analysis.op_registry).
+torch._grouped_mm, torch._scaled_mm, SDPA (attention's two products), or a moepass GEMM op (moepass.op_registry).
 An operand is a weight when it is a parameter read through views, casts, slices (`W[e]`), stacks and shard gathers,
 across the boundaries of HOP bodies (activation checkpoint, autograd.Function forward); everything else (attention's
 `q @ k.T`) is an activation. Bodies passes do not enter (cond, map) are walked too: what their inputs are is unknown.
@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from moepass.analysis.graph import example_value, op_short_name, is_grouped_mm, is_linear, is_matmul, tensor_meta
-from moepass.analysis.op_registry import gemm_role, is_rows_form
+from moepass.op_registry import gemm_role, is_rows_form
 
 from .scopes import Scope, graph_scopes, hop_name, operand_index
 

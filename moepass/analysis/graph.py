@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .op_registry import gemm_role
+from ..op_registry import gemm_role
 
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
 _MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.ops.aten.mm, torch.ops.aten.mm.default,
@@ -160,16 +160,6 @@ def is_gemm(node: fx.Node) -> bool:
         return True
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
         and gemm_role(node.target) is not None
-
-
-def to_networkx(graph: fx.Graph) -> nx.DiGraph:
-    """Data-flow graph: an edge producer -> user for every use."""
-    g = nx.DiGraph()
-    for n in graph.nodes:
-        g.add_node(n)
-        for u in n.users:
-            g.add_edge(n, u)
-    return g
 
 
 def reaches(g: nx.DiGraph, start: fx.Node, stop_at=lambda n: False) -> set[fx.Node]:

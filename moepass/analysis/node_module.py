@@ -1,4 +1,4 @@
-"""Which nn.Module issued a graph node: its state_dict path and type, for the passes' filters and the report."""
+"""Which nn.Module issued a graph node: its state_dict path, for the passes' filters and the report."""
 
 from __future__ import annotations
 
@@ -22,11 +22,3 @@ def module_path(node: fx.Node) -> str:
     if not path and is_gemm(node):
         path = module_by_weight(node)
     return path
-
-
-def module_type(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    t = list(stack.values())[-1][1]
-    return getattr(t, "__qualname__", str(t))

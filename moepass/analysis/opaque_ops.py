@@ -41,7 +41,7 @@ class OpaqueWeightRead:
     shape: tuple  # the parameter's shape
 
     def text(self) -> str:
-        """The reason the census shows (moepass.report.skips.SkipCode.OPAQUE_WEIGHT_OP's phrase leads it)."""
+        """The reason the census shows (moepass.skips.SkipCode.OPAQUE_WEIGHT_OP's phrase leads it)."""
         return (f"opaque op {self.op} reads weight {parameter_name(self.weight)} {list(self.shape)}: moepass cannot "
                 "see its GEMMs")
 

@@ -13,11 +13,10 @@ import dataclasses
 import math
 from collections import deque
 
-import torch
 from torch import fx
 
-import moepass.ops.ep.dispatch_combine  # noqa: F401  (registers moepass::ep_dispatch, which it looks for)
 from moepass.analysis.graph import example_int, static_int, tensor_meta
+from moepass.op_registry import is_dispatch
 from .collectives import find_all_to_alls
 from .scopes import dataflow, graph_scopes
 
@@ -52,7 +51,7 @@ class RoutedRows:
         return None
 
     def _sent_rows(self, n: fx.Node) -> ExpectedRows | None:
-        if n.op == "call_function" and n.target is torch.ops.moepass.ep_dispatch.default:
+        if n.op == "call_function" and is_dispatch(n.target):
             ids = tensor_meta(n.args[1])  # [T, K] expert ids: each token goes to K experts
             slots = None if ids is None else example_int(math.prod(ids.shape))
             if slots is not None:

@@ -75,11 +75,6 @@ def body_modules(parent: fx.GraphModule, node: fx.Node) -> list[tuple[int, fx.Gr
     return found
 
 
-def unentered_hops(gm: fx.GraphModule) -> list[fx.Node]:
-    """HOP calls whose bodies passes do not enter (control flow such as cond, map, while_loop)."""
-    return [n for n in gm.graph.nodes if hop_name(n) and hop_name(n) not in _ENTERED]
-
-
 def graph_scopes(gm: fx.GraphModule) -> list[Scope]:
     """The top graph, then every entered HOP body (recursively), each body once however often it is called."""
     top = Scope(gm, "", "top")

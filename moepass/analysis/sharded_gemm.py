@@ -1,10 +1,11 @@
 """A GEMM whose operands are DTensors (tensor parallelism): which shards it runs on, or why moepass leaves it alone.
 
 Under `torch.distributed.tensor.parallel` the Dynamo graph holds DTensors, and the low-precision ops run on each
-rank's local shards through their DTensor strategies (moepass.ops.lowp.sharding). The passes rewrite such a GEMM only
-when its operands already have placements one of those strategies takes as they are, so the rewritten GEMM has
-exactly the communication the BF16 one had, and they plan it on its local sizes (the GEMM each rank runs: the
-recipe's block alignment and recipe=auto's measured speed are per shard).
+rank's local shards through their DTensor strategies (moepass.ops.lowp.sharding, from the placements of
+moepass.analysis.gemm_placements). The passes rewrite such a GEMM only when its operands already have placements one
+of those strategies takes as they are, so the rewritten GEMM has exactly the communication the BF16 one had, and they
+plan it on its local sizes (the GEMM each rank runs: the recipe's block alignment and recipe=auto's measured speed
+are per shard).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import dataclasses
 from torch import fx
 
 from moepass.analysis.graph import tensor_meta
-from moepass.ops.lowp.sharding import local_size, single_dim_strategies
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 from .dtensors import is_dtensor
+from .gemm_placements import local_size, single_dim_strategies
 
 
 @dataclasses.dataclass(frozen=True)

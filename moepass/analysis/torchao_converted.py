@@ -25,7 +25,7 @@ from torch import fx
 from moepass.analysis.scopes import Scope, graph_scopes
 from moepass.analysis.graph import example_value, is_gemm
 from moepass.analysis.node_module import module_path
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 # torchao's GEMM autograd functions and wrappers by name (mx_mm, _MXFP8GroupedMM, matmul_with_hp_or_float8_args,
 # _Int8MixedPrecisionTrainingLinearFunction); its non-GEMM ones (permute, a2a_dispatch, casts) do not match
@@ -180,10 +180,11 @@ def left_to_torchao(node: fx.Node, config) -> Reason | None:
     if conversion is None:
         return None
     opaque = _torchao_gemm_function(node) is not None
-    if config["lowp.take_over_torchao"] and not opaque:
+    take_over = config.section("lowp").take_over_torchao
+    if take_over and not opaque:
         return None
     text = f"converted by torchao ({conversion}): left to it"
-    if config["lowp.take_over_torchao"]:
+    if take_over:
         text += " (an opaque torchao call: lowp.take_over_torchao reaches tensor-subclass weights only)"
     return Reason(SkipCode.TORCHAO_CONVERTED, text)
 

@@ -13,8 +13,6 @@ import sysconfig
 
 import torch
 
-BYTE_VOCAB = 256
-
 
 def stdlib_text_files(limit_bytes: int = 8 << 20) -> list[pathlib.Path]:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])

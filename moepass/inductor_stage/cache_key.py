@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import pathlib
 from collections import Counter
@@ -50,11 +51,10 @@ def tree_hash(roots: list[pathlib.Path]) -> str:
 
 
 def source_roots() -> list[pathlib.Path]:
-    """The moepass package (engine, analysis, ops) and the passes, installed as moepass.passes."""
-    import moepass
-    import moepass.passes
-
-    return sorted({pathlib.Path(moepass.__file__).parent, pathlib.Path(moepass.passes.__file__).parent})
+    """The moepass package (engine, analysis, ops) and the passes, installed as moepass.passes: found by path, not
+    imported (both sit above inductor_stage/)."""
+    passes = importlib.util.find_spec("moepass.passes")
+    return sorted({pathlib.Path(__file__).resolve().parents[1], pathlib.Path(passes.origin).resolve().parent})
 
 
 @functools.lru_cache(maxsize=1)

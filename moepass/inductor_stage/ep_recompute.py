@@ -16,7 +16,7 @@ import operator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..analysis.op_registry import is_exchange
+from ..op_registry import is_exchange
 
 
 def is_ep_exchange(node: torch.fx.Node) -> bool:

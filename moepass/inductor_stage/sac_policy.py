@@ -2,7 +2,7 @@
 
 SAC policies (torchtitan's op list, a user's `create_selective_checkpoint_contexts(policy)`) choose per op, by op
 identity, whether an output is saved or recomputed: `aten.mm`, `aten.addmm`, `aten._grouped_mm`. After the passes
-a checkpoint body holds moepass's forward GEMM ops instead (moepass.analysis.op_registry), which no policy lists, so every
+a checkpoint body holds moepass's forward GEMM ops instead (moepass.op_registry), which no policy lists, so every
 rewritten GEMM would be recomputed in the backward as under full AC. The body's context_fn is wrapped so that the
 policy is asked about the op the BF16 graph held: a linear as the `aten.mm(x as 2-D, W.T)` (`addmm` with a bias)
 it decomposes to, a grouped GEMM as `aten._grouped_mm`. Expert-parallel dispatch/combine are saved whatever the
@@ -16,7 +16,7 @@ from torch import fx
 
 from ..analysis.scopes import graph_scopes
 from .cache_key import source_hash
-from ..analysis.op_registry import gemm_role
+from ..op_registry import gemm_role
 
 CONTEXT_FN = "_checkpoint_context_fn"  # where Dynamo keeps a checkpoint's context_fn: the body's meta
 

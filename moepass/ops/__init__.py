@@ -5,7 +5,7 @@ each (lowp/mxfp8/, fp8_rowwise/, blockwise/: the recipe object, its GEMMs, kerne
 dgrad and wgrad ops, and the BF16 grouped wgrad.
 ep/: expert-parallel dispatch/combine (DeepEP or a torch.distributed reference) and the expert-major permutation.
 fresh_outputs.py: what every op body returns through, so the code after an op may view and modify its outputs in place.
-What each op does (GEMM kind and role, EP exchange) is recorded in moepass.analysis.op_registry as it is defined.
+What each op does (GEMM kind and role, EP exchange) is recorded in moepass.op_registry as it is defined.
 """
 
 from . import ep, lowp  # noqa: F401  (each registers its ops)

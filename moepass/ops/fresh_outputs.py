@@ -11,7 +11,6 @@ zero tokens), the output is cloned.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 

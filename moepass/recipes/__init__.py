@@ -2,5 +2,6 @@
 (registry.py), the per-GEMM plan the linear and grouped_mm passes share (plan.py), and recipe="auto" with its measured
 table (auto.py, auto_table.py). Each recipe itself is a folder, moepass/ops/lowp/<name>/, next to its ops.
 
-Nothing is imported here: `import moepass.recipes.registry` loads every built-in recipe (and registers its ops).
+Nothing is imported here, and nothing here imports a recipe: each built-in recipe registers itself from its folder,
+which `import moepass` imports (through moepass.ops).
 """

@@ -41,30 +41,17 @@ class MinShape:
 # The size rule for GEMMs the measured table (auto_table) does not hold, or on another GPU kind: the
 # smallest shapes where FP8 rowwise (quantization included) beat BF16 by auto_table.MIN_SPEEDUP on an
 # H200 under torch.compile, read off that table. None: slower than BF16 at every shape measured.
+# The measurements behind each threshold: docs/options.md, "Why the defaults are what they are" (`recipe`).
 FP8_ROWWISE_MIN: dict[str, MinShape | None] = {
-    # Forward, dgrad and wgrad together. At M >= 16384 every linear with min(K, N) >= 1536 and K*N >= 1e7 won
-    # (671B wq_a 1.06x, wq_b 1.11x, wo 1.69x, shared experts 1.19/1.20x, dense FFNs 1.12-1.65x) and every one
-    # below lost or broke even (16B wq K*N=6.3e6 1.02x, shared experts 0.97/0.98x, wo 0.55x; K=512 or N=576:
-    # 0.39-0.78x). Smaller M wins only for the largest GEMMs, which the table holds.
-    "linear": MinShape(k=1536, n=1536, tokens=16384, work=1.0e7),
-    # The routed expert MLP in context (forward and dgrad FP8, the wgrad BF16 as WGRAD_BF16_AUTO said then): at 671B
-    # dims (K*N=1.5e7) 0.92x at 1024 tokens per expert, 1.05x at 2048, 1.16x at 4096: 1.03x from ~1850 tokens per
-    # expert, 2.7e10 per group; 16B (K*N=2.9e6) lost up to 4096 tokens per expert (0.96x, 1.2e10 per group), and
-    # in the 16B model with x quantized once before the gather (the default passes) it stayed within the noise.
-    "grouped": MinShape(k=1024, n=1024, tokens=512, work=2.7e10),
+    "linear": MinShape(k=1536, n=1536, tokens=16384, work=1.0e7),  # forward, dgrad and wgrad together
+    "grouped": MinShape(k=1024, n=1024, tokens=512, work=2.7e10),  # the routed expert MLP in context
 }
 # Where FP8_ROWWISE_MIN and WGRAD_BF16_AUTO come from, quoted in every reason.
 THRESHOLDS_SOURCE = (f"measured on H200: {auto_table.SHIPPED_NAME} (per GEMM and token count), "
                      "examples/results/step_16B_fp8_h200/ (training steps)")
 
-# fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds (none now). A grouped wgrad in
-# FP8 needs both operands quantized per (token group, column), a pass of their own over the routed tokens
-# (ops/lowp/fp8_rowwise/triton_kernels.py). Before quantize_once it cost more than the FP8 GEMM saved in the 16B
-# step (2 x 1.4 ms against ~0.8 ms) and came out even at 671B dims (479.7 vs 480.7 ms,
-# examples/results/bench_671B_l3_wgrad_once_h200/). With x saved in FP8 before the gather (quantize_once) its
-# token-wise re-quantization reads 1-byte rows, and per MoE layer at 671B dims FP8 is 110.4 ms against BF16's
-# 114.8 (1.204x against 1.158x Inductor's: examples/results/bench_671B_per_layer_wgrad_h200/). Where auto keeps
-# the routed experts BF16 (16B dims) this changes nothing.
+# fp8_rowwise.wgrad_bf16="auto": the weight-gradient GEMM in BF16 for these kinds (none: the FP8 wgrad pays on
+# quantize_once's FP8 rows; the measurements: docs/options.md, "Why the defaults are what they are").
 WGRAD_BF16_AUTO = {"linear": False, "grouped": False}
 
 

@@ -11,15 +11,15 @@ moepass.recipes.registry holds the recipes by name; `register(recipe)` adds one 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from moepass.option_types import Option, read, section_options
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 # GEMM kind ("linear": y = x @ W.T; "grouped": MoE expert GEMMs x[M,K] @ w_t[E,K,N] per token group) -> its op family
 FAMILIES = {"linear": "linear", "grouped": "grouped_mm"}
+# the six GEMM ops every recipe registers, each as moepass::<name>_<op>
+GEMM_OPS = ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad")
 
 
 class Recipe:
@@ -82,14 +82,14 @@ class Recipe:
         raise NotImplementedError
 
     def kernel(self, config, device: torch.device | str, kind: str) -> tuple[str | None, str]:
-        return self.choose_kernel(config[self.kernel_option], device, kind)
+        return self.choose_kernel(self.read(config).kernel, device, kind)
 
     def choose_wgrad_bf16(self, requested, kind: str) -> tuple[bool, str]:
         """(weight gradient in BF16?, why, "" when there is nothing to say) for the `<name>.wgrad_bf16` value."""
         return requested, ""
 
     def wgrad_bf16(self, config, kind: str) -> tuple[bool, str]:
-        return self.choose_wgrad_bf16(config[self.wgrad_option], kind)
+        return self.choose_wgrad_bf16(self.read(config).wgrad_bf16, kind)
 
     def settings(self, config) -> tuple:
         """The values of `op_settings` under `config`."""
@@ -108,8 +108,10 @@ class Recipe:
 
     def cache_variant(self, config) -> str:
         """Its `decomposition_options` set away from their defaults: the decompositions are in no cache key."""
-        defaults = {f"{self.name}.{f.name}": f.default for f in dataclasses.fields(self.Options)}
-        return "+".join(f"{key}={config[key]}" for key in self.decomposition_options if config[key] != defaults[key])
+        options, defaults = self.read(config), self.Options()
+        fields = [key.removeprefix(f"{self.name}.") for key in self.decomposition_options]
+        return "+".join(f"{self.name}.{f}={getattr(options, f)}" for f in fields
+                        if getattr(options, f) != getattr(defaults, f))
 
     def __repr__(self) -> str:
         return f"<recipe {self.name}>"

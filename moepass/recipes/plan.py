@@ -12,7 +12,7 @@ import torch
 
 from moepass.analysis.graph import replace_node
 from moepass.option_types import OptionsError
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 
 from .auto import choose_recipe
 from .registry import RECIPES
@@ -54,9 +54,9 @@ def plan_gemm(config, kind: str, device: torch.device, m, k: int, n: int, expert
     """A GemmPlan for a `kind` ("linear" or "grouped") GEMM of M x K x N, or the reason it is left alone.
 
     expected: a callable giving the rows to expect where M is data dependent (recipes.auto.choose_recipe)."""
-    requested = config["recipe"]
+    requested = config.section("").recipe
     name, why = resolve_recipe(requested, device, kind, m, k, n, experts=experts, expected=expected,
-                               measure=requested == AUTO and config["auto.measure"])
+                               measure=requested == AUTO and config.section("auto").measure)
     recipe = RECIPES.get(name)
     if recipe is None:  # recipe=auto left it in BF16
         return Reason(SkipCode.LEFT_IN_BF16, why)

@@ -1,24 +1,19 @@
 """The low-precision recipes by name: what the `recipe` option picks among (besides "auto"), and what they add up to.
 
-Each recipe is a folder, moepass/ops/lowp/<name>/, whose recipe.py holds the object (base.Recipe) and registers its
-ops; this module imports every built-in folder's recipe and registers it. A recipe from elsewhere (a test's, a
-user's) joins with one call, `register(recipe)`, after importing its module; the options table, the `recipe` choices
-and `moepass options` then list it. Nothing under moepass/ops imports this module.
+Each recipe is a folder, moepass/ops/lowp/<name>/, whose recipe.py holds the object (base.Recipe), registers its ops
+and then the recipe here: `import moepass` imports moepass.ops, which imports every built-in folder (in the `recipe`
+option's order), so any `import moepass.<anything>` finds them registered. A recipe from elsewhere (a test's, a
+user's) joins with the same one call, `register(recipe)`, after importing its module; the options table, the
+`recipe` choices and `moepass options` then list it. This module imports no recipe: recipes/ sits below ops/.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
-from moepass.ops.lowp.fp8_rowwise.recipe import FP8_ROWWISE
-from moepass.ops.lowp.inductor_fallbacks import GEMM_OPS
-from moepass.ops.lowp.mxfp8.recipe import MXFP8
+from .base import GEMM_OPS, Recipe
 
-from .base import Recipe
-
-RECIPES: dict[str, Recipe] = {}
-BUILT_IN = (MXFP8, FP8_ROWWISE, BLOCKWISE)  # in the `recipe` option's order
+RECIPES: dict[str, Recipe] = {}  # in the order registered: the `recipe` option's order
 
 
 def register(recipe: Recipe) -> Recipe:
@@ -40,10 +35,6 @@ def register(recipe: Recipe) -> Recipe:
 def unregister(name: str) -> Recipe:
     """Remove the recipe registered under `name` (a test's, after use)."""
     return RECIPES.pop(name)
-
-
-for _recipe in BUILT_IN:
-    register(_recipe)
 
 
 def settle(config, weights_sharded: bool):

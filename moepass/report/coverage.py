@@ -2,7 +2,7 @@
 work that runs in low precision.
 
 After the passes ran, each GEMM node of the graph and of its HOP bodies is exactly one of:
-    low_precision  a moepass GEMM op (moepass.analysis.op_registry), a GEMM already FP8 (torch._scaled_mm), or one a pass
+    low_precision  a moepass GEMM op (moepass.op_registry), a GEMM already FP8 (torch._scaled_mm), or one a pass
                    left to torchao, which the user converted it with (skip code TORCHAO_CONVERTED; also torchao's
                    opaque GEMM calls, which are no GEMM node)
     bf16           a torch GEMM a low-precision GEMM pass (linear, grouped_mm) left alone, with its skip code
@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 LOW_PRECISION, BF16, NOT_WEIGHT, UNACCOUNTED = "low_precision", "bf16", "not_weight", "unaccounted"
-# BF16 reasons that are not a pass's skip code (moepass.report.skips): why each is BF16, and what to do about it
+# BF16 reasons that are not a pass's skip code (moepass.skips): why each is BF16, and what to do about it
 WGRAD_BF16 = "WGRAD_BF16"
 PASS_OFF = "PASS_OFF"
 NOT_SKIP_CODES = {

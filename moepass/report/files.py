@@ -1,6 +1,6 @@
 """A report on disk: what `Report.save(dir)` writes, and writes again as graphs are added and compiled.
 
-    report.json    totals over every graph of the report (DESIGN.md's schema, `Report.to_dict()`)
+    report.json    totals over every graph of the report (`Report.to_dict()`'s schema, docs/inspection.md)
     index.json     totals per pass and one line per graph and per torch.compile call (`Report.index()`)
     report.html    both as one page: first the coverage (low-precision share of GEMM FLOPs, GEMMs by outcome) and
                    what each GEMM became with identical layers folded, one row per graph linking its page; the
@@ -23,7 +23,7 @@ import shutil
 
 from .collapse import fold_records, layer_key, pattern, ranges
 from .coverage import NOT_SKIP_CODES, WGRAD_BF16, share_text
-from .skips import SkipCode
+from ..skips import SkipCode
 
 # the files a report writes, and nothing else: only these are cleared from a directory a report first saves to
 _OWN_GRAPH_CODE = re.compile(r"graph_\d+_\d+_(before|after_\w+)\.py")
@@ -170,7 +170,7 @@ def _coverage_html(cov: dict) -> str:
 
 
 def _why(code: str) -> str:
-    """What a BF16 reason means and what to do: a skip code's why and fix (moepass.report.skips), or coverage's own."""
+    """What a BF16 reason means and what to do: a skip code's why and fix (moepass.skips), or coverage's own."""
     found = SkipCode.__members__.get(code)
     why, fix = (found.why, found.fix) if found is not None else NOT_SKIP_CODES.get(code, ("", "-"))
     return (f" &mdash; {_code_spans(why)}" if why else "") + (f" (fix: {_code_spans(fix)})" if fix != "-" else "")

@@ -1,12 +1,12 @@
 """What moepass will not rewrite, and why: every skip code a pass records, with what a user can do about it.
 
-Each skip in a report carries its code (moepass.report.skips.SkipCode: why and fix); `explain` looks one up. The README's
+Each skip in a report carries its code (moepass.skips.SkipCode: why and fix); `explain` looks one up. The README's
 section is printed from the codes (`left_alone_table_markdown`), as the options table is from the options.
 """
 
 from __future__ import annotations
 
-from .skips import SkipCode
+from ..skips import SkipCode
 
 ROWS: tuple[SkipCode, ...] = tuple(SkipCode)
 

@@ -2,8 +2,8 @@
 
 A `Report` collects one `GraphRecord` per graph the backend compiled, each tagged with the torch.compile
 call it came from (torchtitan compiles every block, and the loss, in a call of its own). `to_dict()` is the
-stable schema of DESIGN.md (totals over the graphs); `index()` is one line per graph and the totals per pass;
-`save(dir)` writes both, each graph's own report and its code before and after each pass (report_files.py).
+stable schema docs/inspection.md describes (totals over the graphs); `index()` is one line per graph and the totals per
+pass; `save(dir)` writes both, each graph's own report and its code before and after each pass (report/files.py).
 Each graph also holds every GEMM left in it and what became of it (moepass.report.coverage): the coverage, per graph and
 in total, is in all of these, with identical layers folded into one line (moepass.report.collapse).
 """
@@ -17,7 +17,7 @@ from collections import Counter
 
 from . import collapse, coverage
 from .coverage import GemmUse
-from .skips import Reason, SkipCode
+from ..skips import Reason, SkipCode
 
 SCHEMA_VERSION = 1
 
@@ -129,7 +129,7 @@ class Report:
         self._sources: dict[int, tuple[GraphRecord, GraphRecord]] = {}
         self._calls: list[object] = []  # the torch.compile calls seen, in order (GraphOrigin.call)
         self._next_origin = GraphOrigin()  # where the graph added next comes from (collect.current_report)
-        self.saved_dirs: set[str] = set()  # directories this report has written in full (report_files.save)
+        self.saved_dirs: set[str] = set()  # directories this report has written in full (files.save)
 
     def expect(self, origin: GraphOrigin) -> None:
         """Say where the next graph `add_graph` gets comes from (its compile call, options and frame)."""

@@ -53,9 +53,4 @@ def trace_graph_report(record) -> None:
     trace_artifact("report", lambda: pass_report(record), encoding="json")
 
 
-def trace_report(report) -> None:
-    """A whole Report (every graph of the run, with the compiled-graph audit): artifact `moepass_run_report`."""
-    trace_artifact("run_report", report.to_dict, encoding="json")
-
-
 register()

@@ -312,7 +312,7 @@ def test_region_is_found(ids_from, counts_from, fake_process_group):
 def test_region_with_unproven_bincount_length_is_left_alone_with_the_reason(spelling, reason, fake_process_group):
     from moepass.analysis.ep_region import find_ep_regions
     from moepass.report.left_alone import explain
-    from moepass.report.skips import SkipCode
+    from moepass.skips import SkipCode
 
     gm, _ = _capture(BoundedCountsMoE(fake_process_group, *spelling), _x())
     regions, skips = find_ep_regions(gm)
@@ -352,7 +352,7 @@ def _rewrite(gm):
     from moepass.report.records import PassRecord
 
     record = PassRecord("deepep")
-    deepep.run(gm, [], Config.from_options({}), record)
+    deepep.run(gm, Config.from_options({}), record)
     return record
 
 

@@ -125,7 +125,7 @@ def test_graph_without_all_to_alls_is_left_untouched():
     code = gm.code
     assert find_ep_regions(gm) == ([], [])
     record = PassRecord("deepep")
-    deepep.run(gm, [], Config.from_options({}), record)
+    deepep.run(gm, Config.from_options({}), record)
     assert (record.rewrites, record.skipped, gm.code) == ([], [], code)
 
 

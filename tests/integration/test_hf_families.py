@@ -26,7 +26,7 @@ import torch
 
 import moepass
 from moepass.report.coverage import BF16, LOW_PRECISION
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import moepass
 import moepass.ops.lowp  # noqa: F401  (registers the ops)
-from moepass.analysis.op_registry import rows_form
+from moepass.op_registry import rows_form
 from moepass.recipes.registry import RECIPES
 from helpers import rank_pool  # noqa: F401  (fixture)
 

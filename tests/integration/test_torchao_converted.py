@@ -18,7 +18,7 @@ from moepass.analysis.torchao_converted import find_torchao_gemm_calls, torchao_
 from moepass.analysis.graph import is_gemm
 from moepass.analysis.node_module import module_path
 from moepass.report.left_alone import explain
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 pytest.importorskip("torchao.prototype.moe_training")
 

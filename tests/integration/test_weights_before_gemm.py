@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import moepass
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 from helpers import load_example, scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16

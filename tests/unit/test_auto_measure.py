@@ -10,7 +10,7 @@ from moepass.ops.lowp.fp8_rowwise import kernels as fp8_kernels
 from moepass.options import Config
 from moepass.recipes import auto, measure
 from moepass.recipes.plan import plan_gemm
-from moepass.report.skips import Reason
+from moepass.skips import Reason
 
 GPU = "NVIDIA Test Hopper"  # sm_90 with no shipped table
 

@@ -17,13 +17,13 @@ import moepass
 from moepass.analysis.autocast import AutocastRegion, gemm_precision, region_for, regions_at
 from moepass.analysis.bf16_operands import bf16_copy_of
 from moepass.analysis.graph import op_short_name, tensor_meta
-from moepass.analysis.op_registry import gemm_role
+from moepass.op_registry import gemm_role
 from moepass.analysis.scopes import Scope
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
 from moepass.options import Config
 from moepass.pipeline import run_pipeline
-from moepass.report.skips import Reason, SkipCode
+from moepass.skips import Reason, SkipCode
 from helpers import scaled_grouped_mm_on_cpu, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16
@@ -38,7 +38,7 @@ def _rewritten(fn, *args, options=None, region=None):
     seen, config = [], Config.from_options(options)
 
     def backend(gm, example_inputs):
-        seen.append((gm, run_pipeline(gm, example_inputs, config)))
+        seen.append((gm, run_pipeline(gm, config)))
         return gm.forward
 
     torch._dynamo.reset()

@@ -19,7 +19,7 @@ from moepass.ops.lowp.blockwise import kernels, quant
 from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config, OptionsError
 from moepass.recipes.plan import GemmPlan, plan_gemm
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
                      linear_reference)
 

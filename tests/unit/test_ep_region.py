@@ -402,7 +402,7 @@ def test_experts_expect_the_rows_ep_dispatch_sends_after_the_deepep_rewrite():
 
     gm = capture(ep_moe(), _x())
     record = PassRecord("deepep")
-    deepep.run(gm, [], Config.from_options({}), record)
+    deepep.run(gm, Config.from_options({}), record)
     assert len(record.rewrites) == 1 and not _all_to_alls(gm)
     expected = RoutedRows(gm).expected(_experts_input(gm))
     assert expected.rows == TOKENS * TOP_K and "moepass::ep_dispatch" in expected.why
@@ -418,7 +418,7 @@ def test_auto_recipe_decides_grouped_gemms_after_an_exchange_on_the_rows_to_expe
     _sm90(monkeypatch)
     gm = capture(ep_moe(), _x())
     record = PassRecord("grouped_mm")
-    grouped_mm.run(gm, [], Config.from_options({}), record)
+    grouped_mm.run(gm, Config.from_options({}), record)
     (skip,) = record.skipped
     assert "left in BF16: too small" in skip.reason and "tokens per expert=8 < 512" in skip.reason
     assert f"expected M={TOKENS * TOP_K}" in skip.reason and "all-to-all" in skip.reason

@@ -18,7 +18,7 @@ from moepass.ops.lowp.fp8_rowwise.recipe import FP8_ROWWISE
 from moepass.recipes import auto, auto_table
 from moepass.recipes.plan import resolve_recipe
 from moepass.recipes.registry import RECIPES
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 from moepass.options import OptionsError
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (OpsCalled, assert_all_equal, assert_sqnr, block_inputs, call_targets, forward_backward,

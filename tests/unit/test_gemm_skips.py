@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import moepass
 from moepass.report.left_alone import explain, left_alone_table_markdown
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 
 class Ineligible(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 import moepass
 from moepass.analysis.gemm_spellings import KN, NK
 from moepass.passes.linear import find_linears
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 K, N, E = 64, 96, 4
 BF16 = torch.bfloat16

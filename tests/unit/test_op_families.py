@@ -1,6 +1,6 @@
 """The low-precision op families (moepass/ops/lowp/linear.py, grouped_mm.py), one per GEMM kind, instantiated per
 recipe (moepass.recipes.registry): shared checks in the same words for every recipe, one device probe, leaf GEMM
-primitives, every GEMM op known to moepass.analysis.op_registry. Each recipe's numerics are in test_mxfp8_ops.py,
+primitives, every GEMM op known to moepass.op_registry. Each recipe's numerics are in test_mxfp8_ops.py,
 test_fp8_rowwise_ops.py and test_blockwise_ops.py."""
 
 import ast
@@ -11,15 +11,16 @@ import torch
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 from moepass import device_arch
-from moepass.analysis.op_registry import GemmRole, gemm_role, is_exchange
+from moepass.op_registry import GemmRole, gemm_role, is_dispatch, is_exchange
 from moepass.ops.lowp.fp8_rowwise import decomp as fp8_rowwise_decomp
 from moepass.ops.lowp.fp8_rowwise import scaled_gemms
 from moepass.options import Config
-from moepass.recipes.registry import BUILT_IN
+from moepass.recipes import registry
 
 BF16 = torch.bfloat16
 # every built-in recipe, with its op settings under the default options
-RECIPES = {r.name: (r, r.settings(Config.from_options({}))) for r in BUILT_IN}
+RECIPES = {name: (registry.RECIPES[name], registry.RECIPES[name].settings(Config.from_options({})))
+           for name in ("mxfp8", "fp8_rowwise", "blockwise")}
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -99,4 +100,6 @@ def test_only_gemm_ops_have_a_gemm_role_and_only_ep_exchanges_are_exchanges():
         assert gemm_role(op.default) is None, op
     for op in (ops.ep_dispatch, ops.ep_combine, ops.ep_dispatch_cached, ops.ep_dispatch_backward):
         assert is_exchange(op.default), op
+        assert is_dispatch(op.default) is (op is ops.ep_dispatch), op  # the one whose arguments hold the [T, K] ids
     assert not is_exchange(ops.ep_expert_major_pairs.default) and not is_exchange(ops.mxfp8_linear.default)
+    assert not is_dispatch(ops.ep_dispatch_quantized.default) and not is_dispatch(torch.ops.aten.mm.default)

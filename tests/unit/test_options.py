@@ -278,3 +278,15 @@ def test_bad_env_options_name_the_variable(monkeypatch, text, words):
         Config.from_options(None)
     for word in words:
         assert word in str(info.value)
+
+
+def test_sections_read_the_options_typed_once_per_config():
+    config = Config.from_options({"lowp.exclude": ["layers.0.*"], "recipe": "mxfp8", "fp8_rowwise.kernel": "emulated"})
+    lowp = config.section("lowp")
+    assert isinstance(lowp, Lowp) and lowp.exclude == ("layers.0.*",) and lowp.include == ("*",)
+    assert config.section("").recipe == "mxfp8" and config.section("fp8_rowwise").kernel == "emulated"
+    assert config.section("lowp") is lowp  # read once: passes read sections per node
+    changed = config.with_values(**{"lowp.exclude": ()})
+    assert changed.section("lowp").exclude == () and config.section("lowp").exclude == ("layers.0.*",)
+    with pytest.raises(KeyError, match="no options under 'lowpp'"):
+        config.section("lowpp")

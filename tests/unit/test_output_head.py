@@ -17,7 +17,7 @@ from torch import nn
 import moepass
 from moepass.analysis import module_paths
 from moepass.passes.linear import find_linears
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 VOCAB, DIM, HIDDEN = 256, 64, 128
 OPTIONS = {"inductor": False}

@@ -4,6 +4,8 @@
 import ast
 import dataclasses
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,11 +17,11 @@ from moepass.option_types import option
 from moepass.options import Config, options_table
 from moepass.recipes.base import Recipe
 from moepass.recipes.plan import GemmPlan, plan_gemm
-from moepass.recipes.registry import (BUILT_IN, RECIPES, cache_variant, decomposed_gemms, decompositions, register,
-                                      settle)
-from moepass.report.skips import Reason, SkipCode
+from moepass.recipes.registry import RECIPES, cache_variant, decomposed_gemms, decompositions, register, settle
+from moepass.skips import Reason, SkipCode
 
 MOEPASS = pathlib.Path(moepass.__file__).parent
+BUILT_IN = ("mxfp8", "fp8_rowwise", "blockwise")  # the `recipe` option's order: moepass/ops/lowp/__init__.py's
 _OPTION = {o.key: o for o in options_table()}
 
 
@@ -38,16 +40,24 @@ def test_a_recipe_reads_exactly_the_options_named_after_it(name):
 
 
 def test_each_recipe_folder_holds_one_registered_recipe():
-    """A recipe is one folder under moepass/ops/lowp/ with its recipe.py; the registry registers every such folder,
-    and `import moepass.ops` imports them all (so it registers every op)."""
+    """A recipe is one folder under moepass/ops/lowp/ whose recipe.py registers its ops and its recipe, and
+    `import moepass.ops` imports them all (so it registers every op and every built-in recipe)."""
     lowp = MOEPASS / "ops" / "lowp"
     folders = sorted(p.parent.name for p in lowp.glob("*/recipe.py"))
-    assert folders == sorted(r.name for r in BUILT_IN)
-    for recipe in BUILT_IN:
-        assert type(recipe).__module__ == f"moepass.ops.lowp.{recipe.name}.recipe"
+    assert folders == sorted(BUILT_IN)
+    for name in BUILT_IN:
+        assert type(RECIPES[name]).__module__ == f"moepass.ops.lowp.{name}.recipe"
     imported = {a.name for node in ast.walk(ast.parse((lowp / "__init__.py").read_text()))
                 if isinstance(node, ast.ImportFrom) for a in node.names}
     assert set(folders) <= imported
+
+
+def test_any_moepass_import_finds_every_built_in_recipe_registered():
+    """The registry imports no recipe (recipes/ sits below ops/): `import moepass` imports moepass.ops, whose
+    folders register themselves, so importing only the registry, in a fresh process, finds them in order."""
+    code = "from moepass.recipes.registry import RECIPES; print(','.join(RECIPES))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ",".join(BUILT_IN)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -107,7 +117,8 @@ class _StubRecipe(Recipe):
 def test_the_planner_is_generic_over_the_registry(monkeypatch):
     """A recipe the registry holds (put there directly: the stub has no ops to register) is planned like any."""
     monkeypatch.setitem(RECIPES, "stub", _StubRecipe())
-    config = {"recipe": "stub", "stub.kernel": "fast", "stub.wgrad_bf16": True, "stub.block": 4}
+    config = Config.from_options({}).with_values(
+        **{"recipe": "stub", "stub.kernel": "fast", "stub.wgrad_bf16": True, "stub.block": 4})
     plan = plan_gemm(config, "grouped", torch.device("cpu"), 64, 16, 24, experts=2)
     assert plan == GemmPlan("stub", "recipe='stub' requested; stub wgrad", "fast-grouped", "stub kernel on cpu",
                             "stub_grouped_mm", (4, True, "fast-grouped"))
@@ -120,7 +131,7 @@ def test_register_refuses_a_recipe_without_its_ops_or_under_a_taken_name():
         register(_StubRecipe())
     with pytest.raises(ValueError, match="'mxfp8' is already registered"):
         register(RECIPES["mxfp8"])
-    assert "stub" not in RECIPES and list(RECIPES) == [r.name for r in BUILT_IN]
+    assert "stub" not in RECIPES and list(RECIPES) == list(BUILT_IN)
 
 
 def test_recipe_auto_leaving_a_gemm_in_bf16_is_a_coded_reason(monkeypatch):

@@ -17,7 +17,7 @@ from moepass.analysis.gemms import Scopes
 from moepass.analysis.opaque_ops import opaque_weight_read
 from moepass.report import coverage
 from moepass.report.coverage import BF16, LOW_PRECISION, OPAQUE, UNACCOUNTED
-from moepass.report.skips import SkipCode
+from moepass.skips import SkipCode
 
 EAGER = {"inductor": False}
 

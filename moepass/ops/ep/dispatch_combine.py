@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from moepass.analysis.op_registry import register_exchange
+from moepass.op_registry import register_exchange
 
 from ..fresh_outputs import fresh_outputs
 from . import deepep, reference
@@ -305,7 +305,7 @@ def _dispatch_cached_backward(ctx, grad):
 
 for _exchange in (ep_dispatch, ep_dispatch_quantized, ep_combine, ep_dispatch_cached,
                   ep_dispatch_backward):  # never recomputed under AC
-    register_exchange(_exchange._opoverload)
+    register_exchange(_exchange._opoverload, dispatch=_exchange is ep_dispatch)
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
 ep_dispatch_quantized.register_autograd(_dispatch_quantized_backward, setup_context=_dispatch_quantized_setup_context)

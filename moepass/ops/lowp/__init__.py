@@ -5,9 +5,11 @@ with sharding.py's DTensor strategies), from op_recipe.py and gemm_args.py; grou
 on rows quantized before their gather (recipes that scale x per row); grouped_wgrad_bf16.py: the BF16 grouped
 wgrad of every recipe's `wgrad_bf16` option; token_group_padding.py: token groups padded to a block of rows;
 formats.py: the FP8 element type. A family never imports a recipe: each recipe's folder (mxfp8/, fp8_rowwise/,
-blockwise/) holds its recipe.py, which registers its ops through the families. The built-in folders are imported
-here so that `import moepass.ops` registers every op; moepass.recipes.registry registers their recipes. torchao is
-imported lazily inside the op bodies, so this stays cheap.
+blockwise/) holds its recipe.py, which registers its ops through the families and then its recipe
+(moepass.recipes.registry.register). The built-in folders are imported here, in the `recipe` option's order, so that
+`import moepass.ops` (which `import moepass` runs) registers every op and every built-in recipe. torchao is imported
+lazily inside the op bodies, so this stays cheap.
 """
 
-from . import blockwise, fp8_rowwise, grouped_wgrad_bf16, mxfp8  # noqa: F401  (each registers its ops)
+from . import grouped_wgrad_bf16  # noqa: F401  (registers its ops)
+from . import mxfp8, fp8_rowwise, blockwise  # noqa: F401  (each registers its ops and recipe, in this order)

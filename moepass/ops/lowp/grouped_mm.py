@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moepass.analysis.op_registry import register_gemm
+from moepass.op_registry import register_gemm
 from moepass.recipes.base import Recipe
 
 from .autocast_off import autocast_off
@@ -55,7 +55,7 @@ def check_wgrad(recipe: Recipe, gemms: RecipeGemms, grad_out: Tensor, x: Tensor,
 
 def define_grouped_mm_ops(recipe: Recipe, gemms: RecipeGemms) -> None:
     """Register moepass::<recipe>_grouped_mm, _grouped_mm_dgrad and _grouped_mm_wgrad with fakes, autograd, DTensor
-    strategies, and their roles in moepass.analysis.op_registry."""
+    strategies, and their roles in moepass.op_registry."""
     settings = list(recipe.op_settings)
     fwd_name, dgrad_name = recipe.op_name("grouped_mm"), recipe.op_name("grouped_mm_dgrad")
 

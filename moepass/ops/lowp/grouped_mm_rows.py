@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from moepass.analysis.op_registry import register_gemm, register_rows_form
+from moepass.op_registry import register_gemm, register_rows_form
 from moepass.recipes.base import Recipe
 
 from ..fresh_outputs import fresh_outputs
@@ -53,7 +53,7 @@ class RowGemms:
     kernels: tuple[str, ...]  # the recipe's kernels that have this form
     # Whether the FP8 wgrad may re-quantize the dequantized rows along tokens. With power-of-two scales the re-tiled
     # values are the BF16 rows' own (fp8_rowwise); with blockwise's amax / 448 scales a second rounding adds error
-    # (relative wgrad error ~1.4x its FP8 wgrad on BF16 rows), so there the wgrad is BF16 on the dequantized rows,
+    # (docs/options.md, quantize_once.saved_rows), so there the wgrad is BF16 on the dequantized rows,
     # whose error matches that FP8 wgrad (DeepSeek-V3 rounds these activations' scales to powers of two instead).
     fp8_wgrad_on_rows: bool
     # (grad_out, q, scale, offs, *settings, kernel) -> grad_w_t: that FP8 wgrad reading the saved rows in FP8, equal
@@ -73,7 +73,7 @@ def _check_quantized(op: str, rows: RowGemms, q: Tensor, scale: Tensor, like: Te
 
 def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemms) -> None:
     """Register moepass::<recipe>_quantize_rows and <recipe>_grouped_mm_rows (fake, autograd, GEMM role) and record
-    them as the rows form of <recipe>_grouped_mm (moepass.analysis.op_registry.rows_form)."""
+    them as the rows form of <recipe>_grouped_mm (moepass.op_registry.rows_form)."""
     settings = list(recipe.op_settings)
     quantize_name, name = recipe.op_name("quantize_rows"), recipe.op_name("grouped_mm_rows")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moepass.analysis.op_registry import register_gemm
+from moepass.op_registry import register_gemm
 
 from .gemm_args import check_bf16, check_offs
 from .sharding import register_gemm_sharding

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from moepass.recipes.base import GEMM_OPS
+
 
 def decomposition(body: Callable, applies: Callable, *, forward: bool = False) -> Callable:
     """A moepass GEMM op's decomposition: `body(*args)` (the plain torch its kernel runs) where `applies(args)` holds,
@@ -21,7 +23,6 @@ def decomposition(body: Callable, applies: Callable, *, forward: bool = False) -
     return decompose
 
 
-GEMM_OPS = ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad")
 FORWARD_OPS = ("linear", "grouped_mm")
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from moepass.analysis.op_registry import register_gemm
+from moepass.op_registry import register_gemm
 from moepass.recipes.base import Recipe
 
 from .autocast_off import autocast_off
@@ -25,8 +25,7 @@ from .sharding import register_gemm_sharding
 GEMMS = {"linear": "forward", "linear_dgrad": "dgrad", "linear_wgrad": "wgrad"}  # op -> which of the three
 
 
-def _check_operands(recipe: Recipe, gemms: RecipeGemms, op: str, name: str, t: Tensor, weight: Tensor,
-                    args: tuple) -> None:
+def _check_operands(gemms: RecipeGemms, op: str, name: str, t: Tensor, weight: Tensor, args: tuple) -> None:
     check_bf16(op, **{name: t})
     check_weight(op, weight=weight)
     gemms.check_settings(t.device, False, *args)
@@ -38,7 +37,7 @@ def _check_operands(recipe: Recipe, gemms: RecipeGemms, op: str, name: str, t: T
 def check_forward(recipe: Recipe, gemms: RecipeGemms, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                   args: tuple) -> None:
     op = recipe.op_name("linear")
-    _check_operands(recipe, gemms, op, "x", x, weight, args)
+    _check_operands(gemms, op, "x", x, weight, args)
     check_bf16(op, bias=bias)
     n, k = weight.shape
     if x.shape[-1] != k or (bias is not None and tuple(bias.shape) != (n,)):
@@ -49,7 +48,7 @@ def check_forward(recipe: Recipe, gemms: RecipeGemms, x: Tensor, weight: Tensor,
 
 def check_dgrad(recipe: Recipe, gemms: RecipeGemms, grad_out: Tensor, weight: Tensor, args: tuple) -> None:
     op = recipe.op_name("linear_dgrad")
-    _check_operands(recipe, gemms, op, "grad_out", grad_out, weight, args)
+    _check_operands(gemms, op, "grad_out", grad_out, weight, args)
     n, k = weight.shape
     if grad_out.shape[-1] != n:
         raise ValueError(f"{op}: grad_out {tuple(grad_out.shape)} does not match weight {tuple(weight.shape)}")
@@ -68,7 +67,7 @@ def check_wgrad(recipe: Recipe, gemms: RecipeGemms, grad_out: Tensor, x: Tensor,
 
 def define_linear_ops(recipe: Recipe, gemms: RecipeGemms) -> None:
     """Register moepass::<recipe>_linear, _linear_dgrad and _linear_wgrad with fakes, autograd, DTensor strategies,
-    and their roles in moepass.analysis.op_registry."""
+    and their roles in moepass.op_registry."""
     settings = list(recipe.op_settings)
 
     def gemm_args(args: tuple) -> tuple:  # the forward's (*settings, wgrad_bf16, kernel) -> (*settings, kernel)

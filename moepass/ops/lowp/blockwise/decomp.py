@@ -1,8 +1,7 @@
 """The blockwise ops' "scaled_mm" and "triton" kernels handed to Inductor as plain torch around opaque GEMM ops.
 
 Inside the opaque moepass::blockwise_* ops the 1x128 / 128x128 quantization ran as eager torch, one kernel per
-reshape, amax, divide, clamp and cast (on an H200 at DeepSeek-V3's dims, ~300 ms of a 758 ms step against ~60 ms of
-GEMMs). Decomposed by AOTAutograd, each op becomes the code its own body runs for kernel "scaled_mm" (linear.py,
+reshape, amax, divide, clamp and cast (several times the GEMMs' time: docs/recipes.md has the figures). Decomposed by AOTAutograd, each op becomes the code its own body runs for kernel "scaled_mm" (linear.py,
 grouped_mm.py: quant.quantize_tiles / quantize_blocks on the operands as the GEMM reads them, the wgrad's token
 padding included, then gemm.mm_nt / grouped_mm_nt), which Inductor fuses into a reduction kernel per operand (into
 the operand's producer where it can), leaving moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (kernel

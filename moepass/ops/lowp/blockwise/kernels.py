@@ -192,12 +192,11 @@ def kernel_problem(kernel: str, device: torch.device, grouped: bool) -> str | No
 def choose_blockwise_kernel(device: torch.device | str, grouped: bool) -> tuple[str | None, str]:
     """(kernel, reason a user can read) for a linear (grouped=False) or grouped GEMM on `device`; kernel None: no
     blockwise FP8 kernel runs here (the GEMM stays BF16). Grouped GEMMs: torch._scaled_mm per token group, else
-    moepass's Triton kernels, as measured at 671B dims, 2 layers on an H200: the step took 442 ms on the loop against
-    602 ms on the Triton kernels (Inductor BF16 401 ms; examples/results/blockwise_kernels_671B_h200/). DeepGEMM runs
-    only on request (blockwise.kernel='deepgemm'): the build that passes its self-check here (35c4bc8) failed in
-    that step (CUDA_ERROR_INVALID_VALUE at a grouped GEMM's launch) and, op by op through torchao's op, took 0.9-8x
-    BF16's time at the same dims, 8 of 9 ops slower (examples/results/blockwise_deepgemm_h200/), so picking it unasked
-    would trade a working loop for a crash or a slowdown."""
+    moepass's Triton kernels, which made the step slower than the loop (examples/results/blockwise_kernels_671B_h200/).
+    DeepGEMM runs only on request (blockwise.kernel='deepgemm'): the build that passes its self-check here (35c4bc8)
+    failed in that step (CUDA_ERROR_INVALID_VALUE at a grouped GEMM's launch) and its ops were mostly slower than
+    BF16's (examples/results/blockwise_deepgemm_h200/), so picking it unasked would trade a working loop for a crash
+    or a slowdown."""
     cuda = probe(torch.device(device), "FP8", "blockwise FP8 numerics emulated (dequantized operands, fp32 GEMM)")
     if isinstance(cuda, str):
         return "emulated", cuda

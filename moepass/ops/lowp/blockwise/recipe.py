@@ -26,6 +26,7 @@ import torch
 
 from moepass.option_types import OptionsError, option
 from moepass.recipes.base import Recipe
+from moepass.recipes.registry import register
 
 from ..grouped_mm import define_grouped_mm_ops
 from ..grouped_mm_rows import define_grouped_mm_rows_ops, rows_decompositions
@@ -78,3 +79,4 @@ BLOCKWISE = BlockwiseRecipe()
 define_linear_ops(BLOCKWISE, linear.GEMMS)
 define_grouped_mm_ops(BLOCKWISE, grouped_mm.GEMMS)
 define_grouped_mm_rows_ops(BLOCKWISE, grouped_mm.GEMMS, grouped_mm.ROWS)
+register(BLOCKWISE)

@@ -17,6 +17,7 @@ import torch
 from moepass.option_types import OptionsError, option
 from moepass.recipes.auto import THRESHOLDS_SOURCE, WGRAD_BF16_AUTO
 from moepass.recipes.base import Recipe
+from moepass.recipes.registry import register
 
 from ..grouped_mm import define_grouped_mm_ops
 from ..grouped_mm_rows import define_grouped_mm_rows_ops, rows_decompositions
@@ -103,3 +104,4 @@ FP8_ROWWISE = FP8RowwiseRecipe()
 define_linear_ops(FP8_ROWWISE, linear.GEMMS)
 define_grouped_mm_ops(FP8_ROWWISE, grouped_mm.GEMMS)
 define_grouped_mm_rows_ops(FP8_ROWWISE, grouped_mm.GEMMS, grouped_mm.ROWS)
+register(FP8_ROWWISE)

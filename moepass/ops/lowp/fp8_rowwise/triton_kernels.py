@@ -5,16 +5,15 @@ token_group_cols_padded: [M, D] -> e4m3 [D, P] with one scale per (token group, 
   operand layout: torch._scaled_grouped_mm's 2d-2d form needs 16-byte-aligned, non-empty groups, and
   quantizing straight into that layout costs no extra pass over the tokens. A variant parallel over
   the whole token dim (row chunks, amax through integer atomics, then a cast kernel walking the padded
-  layout), meant to fix this one's load imbalance under skewed routing, ran 2.8x slower on an H200
+  layout), meant to fix this one's load imbalance under skewed routing, ran slower on an H200
   (examples/results/token_group_quant_h200_two_kernels_rejected.json).
 zero_rows_from_group_end_: torch._scaled_grouped_mm leaves output rows at or after offs[-1] unwritten.
 both_layouts: [E, R, C] -> e4m3 along C (row-major) and along R (written transposed, [E, C, R]) from two reads
   of the input: the expert weights' forward and dgrad layouts at once, or (E = 1) a linear's gradient per token
   and per channel (both_layouts). The first read writes each tile's row and column amaxes to small partial
   buffers that torch reduces. The kernel before it walked whole rows and gathered the column amax through float
-  atomics: on a linear's [16384, C] operand 512 programs hit every column address (wq_b's gradient at 671B dims:
-  the op took 1.49 ms with it, 1.01 ms with a 256x32x128 tile pass at 0.55 ms, and that pass takes 0.34 ms at
-  this tile; examples/results/both_layouts_tile_amax_h200/).
+  atomics: on a linear's [16384, C] operand 512 programs hit every column address, and the op took longer
+  (examples/results/both_layouts_tile_amax_h200/).
 Same numerics as quant (power-of-two scales from the amax, e4m3 round-to-nearest-even).
 """
 
@@ -31,7 +30,7 @@ BOTH_BLOCK_R, BOTH_BLOCK_C = 128, 64
 # the amax pass's tile: AMAX_TILE_R rows (read AMAX_LOAD_R at a time) x AMAX_TILE_C columns per program; the
 # fastest of six on an H200 at every DeepSeek-V3 operand timed (examples/results/both_layouts_tile_amax_h200/)
 AMAX_TILE_R, AMAX_LOAD_R, AMAX_TILE_C = 256, 64, 64
-# 128 rows per step: 2-31% faster than 64 on an H200, most under skewed routing (a few large groups, each
+# 128 rows per step: faster than 64 on an H200, most under skewed routing (a few large groups, each
 # walked by few programs); examples/results/token_group_quant_h200.json
 BLOCK_M, BLOCK_D = 128, 64
 

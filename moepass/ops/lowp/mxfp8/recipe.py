@@ -14,6 +14,7 @@ import torch
 
 from moepass.option_types import OptionsError, option
 from moepass.recipes.base import Recipe
+from moepass.recipes.registry import register
 
 from ..grouped_mm import define_grouped_mm_ops
 from ..linear import define_linear_ops
@@ -62,3 +63,4 @@ define_linear_ops(MXFP8, RecipeGemms(gemms.linear_forward, gemms.linear_dgrad, g
                                      kernels.check_settings))
 define_grouped_mm_ops(MXFP8, RecipeGemms(gemms.grouped_forward, gemms.grouped_dgrad, gemms.grouped_wgrad,
                                          kernels.check_settings))
+register(MXFP8)

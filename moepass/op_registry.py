@@ -19,7 +19,7 @@ class GemmRole:
 
 
 _GEMMS: dict[object, GemmRole] = {}  # OpOverloadPacket -> its role
-_EXCHANGES: set[object] = set()  # OpOverloadPackets that send tokens between ranks
+_EXCHANGES: dict[object, bool] = {}  # OpOverloadPackets that send tokens between ranks -> whether it is the dispatch
 
 
 def _packet(op):
@@ -36,13 +36,20 @@ def gemm_role(op) -> GemmRole | None:
     return _GEMMS.get(_packet(op))
 
 
-def register_exchange(op) -> None:
-    _EXCHANGES.add(_packet(op))
+def register_exchange(op, dispatch: bool = False) -> None:
+    """`dispatch`: the op is the forward dispatch, ep_dispatch(x[T, H], topk_ids[T, K], ...), which sends each token's
+    rows to its K experts' ranks."""
+    _EXCHANGES[_packet(op)] = dispatch
 
 
 def is_exchange(op) -> bool:
     """A moepass op that exchanges tokens between ranks (EP dispatch / combine, forward or backward)."""
     return _packet(op) in _EXCHANGES
+
+
+def is_dispatch(op) -> bool:
+    """moepass::ep_dispatch, the exchange whose arguments hold the [T, K] expert ids."""
+    return _EXCHANGES.get(_packet(op), False)
 
 
 @dataclasses.dataclass(frozen=True)
