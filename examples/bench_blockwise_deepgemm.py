@@ -1,6 +1,7 @@
 """Blockwise kernel "deepgemm" op by op at DeepSeek-V3's expert dims: whether each grouped GEMM (forward, dgrad, wgrad
-through moepass.ops.lowp.blockwise.deepgemm = torchao 0.18's token-group padding and quantizers + DeepGEMM) runs, and
-its time against BF16 torch._grouped_mm on the same operands. Needs a CUDA GPU and deep_gemm installed (README).
+through moepass.ops.lowp.blockwise.kernels.deepgemm = torchao 0.18's token-group padding and quantizers + DeepGEMM)
+runs, and its time against BF16 torch._grouped_mm on the same operands. Needs a CUDA GPU and deep_gemm installed
+(README).
 
     python examples/bench_blockwise_deepgemm.py out.json
 
@@ -17,7 +18,7 @@ import traceback
 import torch
 from bench_fp8_gemms import routed_group_sizes, time_ms  # this script's folder is on sys.path when run as a script
 
-from moepass.ops.lowp.blockwise import deepgemm
+from moepass.ops.lowp.blockwise.kernels import deepgemm
 
 # (name, experts, rows, K, N) of the routed experts' GEMMs: the bench's 671B dims (32 experts; 131,072 rows = the
 # per-layer step's 16,384 tokens x top-8, where kernel "deepgemm" failed; 65,536 rows ran) and the 16B flavor

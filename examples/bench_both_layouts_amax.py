@@ -1,9 +1,9 @@
-"""The FP8-rowwise both-layouts op (triton_kernels.both_layouts) against an earlier version of it, on CUDA.
+"""The FP8-rowwise both-layouts op (kernels/triton_both_layouts.both_layouts) against an earlier version, on CUDA.
 
 For DeepSeek-V3's linear operands and expert weights it checks both versions' outputs bit for bit, the per-tile amax
 against torch's, and times (CUDA events, bench_fp8_gemms.time_ms) both ops, the amax pass at six tiles and the op at
-four quantize-pass tiles. The earlier version is a copy of triton_kernels.py with absolute imports, e.g. the
-atomics one of 3ab3daa:
+four quantize-pass tiles. The earlier version is a copy of the module at that time with absolute imports, e.g. the
+atomics one of 3ab3daa (then fp8_rowwise/triton_kernels.py):
 
     git show 3ab3daa:moepass/ops/lowp/fp8_rowwise/triton_kernels.py \\
         | sed -e 's/^from \\.\\.formats/from moepass.ops.lowp.formats/' \\
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_both_layouts_amax: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from moepass.ops.lowp.fp8_rowwise import triton_kernels as new
+    from moepass.ops.lowp.fp8_rowwise.kernels import triton_both_layouts as new
 
     old = load_old(args.old)
     run = lambda fn: round(time_ms(fn, args.warmup, args.iters), 4)  # noqa: E731

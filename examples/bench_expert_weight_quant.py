@@ -6,7 +6,7 @@ Today the compiled FP8 grouped GEMM quantizes each expert weight w [E, N, K] twi
 the forward along K (one scale per (expert, output channel)) and the dgrad along N (one scale per (expert,
 input channel)), the second a reduction over the strided axis with a transposed write. Under the option
 fp8_rowwise.expert_weights_once, moepass::fp8_rowwise_expert_weights does both with two Triton kernels
-(moepass/ops/lowp/fp8_rowwise/triton_kernels.both_layouts): one read of w for both amaxes (per tile, reduced by
+(moepass/ops/lowp/fp8_rowwise/kernels/triton_both_layouts.py): one read of w for both amaxes (per tile, reduced by
 torch), then one read writing both e4m3 layouts (the dgrad one through a transposed tile).
 
 For the DeepSeek-V3 16B and 671B expert weights it checks the op bit for bit against moepass's quantization
@@ -31,7 +31,7 @@ import torch
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_expert_weights, _rows_and_cols)
 from bench_fp8_gemms import compiled, provenance, time_ms
 from moepass.ops.lowp.fp8_rowwise import decomp
-from moepass.ops.lowp.fp8_rowwise.triton_kernels import both_layouts
+from moepass.ops.lowp.fp8_rowwise.kernels.triton_both_layouts import both_layouts
 
 # (model, weight, experts, N, K): w [E, N, K] as the model stores it; the GEMM sees w_t = w.transpose(-2, -1)
 WEIGHTS = [("16B", "w1|w3", 64, 1408, 2048), ("16B", "w2", 64, 2048, 1408),

@@ -48,7 +48,7 @@ from moepass.harness.timing import add_speedups
 from moepass.harness.train import next_token_loss
 from moepass.harness.variants import parse_custom_variant, resolve_variants
 from moepass.ops.lowp.fp8_rowwise import decomp, quant
-from moepass.ops.lowp.fp8_rowwise.scaled_gemms import scaled_grouped_mm
+from moepass.ops.lowp.fp8_rowwise.kernels.scaled_gemms import scaled_grouped_mm
 
 SCHEMA = "moepass.bench_fp8_bound/1"
 aten = torch.ops.aten
@@ -175,7 +175,7 @@ def _tensorwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_calls(g: Gemm, args: list[torch.Tensor]) -> dict:
     """{form: call} of the same GEMM in FP8 on operands quantized here (not timed); {} where none exists.
 
-    Operands are quantized by moepass's own code (ops/lowp/fp8_rowwise: quant, decomp, triton_kernels) into the layouts
+    Operands are quantized by moepass's own code (ops/lowp/fp8_rowwise: quant, decomp, kernels/) into the layouts
     its ops hand the GEMMs; only fast accumulation is forced on everywhere (the fastest FP8 GEMM).
     """
     bias = args[0] if g.has_bias else None
@@ -202,7 +202,7 @@ def fp8_calls(g: Gemm, args: list[torch.Tensor]) -> dict:
     if a.dim() == 2 and b.dim() == 2:  # wgrad: [K, M] x [M, N], token groups along M
         if a.device.type != "cuda":
             raise RuntimeError("the grouped wgrad's token-group quantization is a Triton kernel: CUDA only")
-        from moepass.ops.lowp.fp8_rowwise.triton_kernels import token_group_cols_padded  # the op's own padded layout
+        from moepass.ops.lowp.fp8_rowwise.kernels.triton_token_group_cols import token_group_cols_padded  # its layout
 
         at_q, a_scale, ends = token_group_cols_padded(a.t(), offs)  # [K, P] row-major, [E, K], groups 16-aligned
         bt_q, b_scale, _ = token_group_cols_padded(b, offs)  # [N, P] row-major, [E, N]

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.fp8_rowwise_*)
 from moepass.harness.provenance import git_commit, package_version
 from moepass.ops.lowp.fp8_rowwise import decomp
-from moepass.ops.lowp.fp8_rowwise.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
+from moepass.ops.lowp.fp8_rowwise.kernels.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
 from moepass.recipes import auto
 from moepass.recipes import auto_table as fp8_auto_table
 
@@ -257,7 +257,7 @@ def bench_blockwise_linear(x, w, g, run) -> dict:
 def bench_moepass_blockwise(grouped: bool, run, gemms: dict) -> dict:
     """moepass::blockwise_* ops with the kernel moepass picks on this device, called as a compiled graph calls them
     (they are opaque to Inductor, quantization inside): ms per GEMM."""
-    from moepass.ops.lowp.blockwise.kernels import choose_blockwise_kernel
+    from moepass.ops.lowp.blockwise.kernels.choice import choose_blockwise_kernel
 
     kernel, why = choose_blockwise_kernel(DEVICE, grouped)
     if kernel is None:
@@ -315,7 +315,7 @@ def bench_grouped(experts: int, m: int, k: int, n: int, args, extras: bool) -> d
     if args.eager:  # the uncompiled ops: torchao's autotuned Triton quantization kernels
         row["fp8_rowwise_eager_ms"] = {name: round(run(lambda fn=fn, a=operands[name]: fn(*a)), 4)
                                        for name, fn in (("fwd", grouped_fwd), ("dgrad", grouped_dgrad))}
-    from moepass.ops.lowp.fp8_rowwise.triton_kernels import token_group_cols_padded
+    from moepass.ops.lowp.fp8_rowwise.kernels.triton_token_group_cols import token_group_cols_padded
 
     (x_q, x_s), (g_q, g_s) = decomp.rows(x), decomp.rows(g)
     (wk_q, wk_s), (wn_q, wn_s) = decomp.cols(w_t), decomp.rows(w_t)
@@ -365,14 +365,15 @@ def bench_blockwise_grouped(x, w_t, offs, g, run) -> dict:
 def bench_blockwise_grouped_gemms(x, w_t, offs, g, run) -> dict:
     """The three grouped GEMMs alone on operands quantized beforehand, for every blockwise grouped kernel that runs
     here ("scaled_mm": one torch._scaled_mm per token group; "triton": moepass's two Triton kernels)."""
-    from moepass.ops.lowp.blockwise import gemm, grouped_mm, kernels, quant
+    from moepass.ops.lowp.blockwise import grouped_mm, quant
+    from moepass.ops.lowp.blockwise.kernels import choice, gemm
 
     operands = {"fwd": grouped_mm.forward_operands(*quant.quantize_tiles(x), w_t, offs),
                 "dgrad": grouped_mm.dgrad_operands(g, w_t, offs),
                 "wgrad": grouped_mm.wgrad_operands(g, x, offs)}
     out = {}
     for kernel in ("scaled_mm", "triton"):
-        problem = kernels.kernel_problem(kernel, torch.device(DEVICE), True)
+        problem = choice.kernel_problem(kernel, torch.device(DEVICE), True)
         if problem:
             out[kernel] = {"skipped": problem}
             continue

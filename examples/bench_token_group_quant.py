@@ -1,4 +1,5 @@
-"""Speed of the grouped wgrad's token-group quantization (moepass/ops/lowp/fp8_rowwise/triton_kernels.py) on one GPU.
+"""Speed of the grouped wgrad's token-group quantization (moepass/ops/lowp/fp8_rowwise/kernels/
+triton_token_group_cols.py) on one GPU.
 
     python examples/bench_token_group_quant.py --out examples/results/token_group_quant_h200.json
 
@@ -25,7 +26,7 @@ import torch
 from bench_fp8_gemms import routed_group_sizes, time_ms
 from moepass.harness.provenance import git_commit, package_version
 from moepass.ops.lowp.fp8_rowwise import quant
-from moepass.ops.lowp.fp8_rowwise import triton_kernels as triton_ops
+from moepass.ops.lowp.fp8_rowwise.kernels import triton_token_group_cols as triton_ops
 
 # (model, operand, experts, routed rows M, columns D): the wgrad operands of bench_fp8_gemms.GROUPED
 SHAPES = [("16B", "x of w1|w3, grad of w2", 64, 196608, 2048), ("16B", "grad of w1|w3, x of w2", 64, 196608, 1408),

@@ -7,19 +7,14 @@ must not also register itself by name: Dynamo would then see the name twice.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from torch import fx
 
 from .report import collect
 from . import dynamo_flags
-from .inductor_stage.cache_key import CompiledGraphAudit
 from .options import Config
-from .pipeline import inductor_stage, run_pipeline
-from .recipes import registry
-
-log = logging.getLogger(__name__)
+from .pipeline import inductor_handoff, rewrite_and_report
 
 # EP regions need host split sizes (.tolist()) and data-dependent receive sizes inside one graph: the Dynamo flags
 # for that are turned on while a frame compiled for moepass is traced, never process-wide (other compiles keep theirs)
@@ -47,33 +42,21 @@ def _compile_call():
 
 def moepass_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
     config = Config.from_options(options, mode)
-    import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
-
-    record = run_pipeline(gm, config)
-    report = collect.current_report(config, _compile_call())
-    held = report.add_graph(record)
-    if log.isEnabledFor(logging.INFO):  # the summary covers every graph of the report: not built unless shown
-        log.info("%s", report.summary())
-    collect.save_graph(report, held)  # to every report_dir of the report; never raises
+    rewritten = rewrite_and_report(gm, config, _compile_call())
     if not config.section("").inductor:  # the custom ops carry their own autograd, so eager training works too
-        return collect.reporting_runs(gm.forward, record)
+        return collect.reporting_runs(gm.forward, rewritten.record)
     from torch._inductor.compile_fx import compile_fx
-
-    # the recipes' "auto" decomposition options decided for this graph (weights sharded by FSDP2 or not)
-    settled = registry.settle(config, record.weights_sharded)
-    # the decomposition table is in no cache key: the options it reads go into the audit pass's uuid; each
-    # compiled graph (the forward now, the backward at the first backward) saves the report again
-    audit = CompiledGraphAudit(record.compiled, variant=registry.cache_variant(settled),
-                               on_compiled=lambda: collect.save_graph(report, held))
-    # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
-    patches = {**inductor_patches(config), **inductor_stage(audit)}
     from torch._inductor.decomposition import select_decomp_table
 
+    # the recipes' "auto" decomposition options decided for this graph (weights sharded by FSDP2 or not)
+    handoff = inductor_handoff(config, rewritten.record.weights_sharded)
+    # moepass's own entries last (options.MOEPASS_INDUCTOR_PATCHES: inductor.options may not set them)
+    patches = {**inductor_patches(config), **handoff.inductor_config(handoff.audit(rewritten))}
     # the recipes' decompositions over Inductor's table (FP8-rowwise "scaled_mm" ops become plain torch here, so
     # Inductor fuses their quantization)
-    decompositions = {**select_decomp_table(), **registry.decompositions(settled)}
+    decompositions = {**select_decomp_table(), **handoff.decompositions}
     compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
-    return collect.reporting_runs(compiled, record)
+    return collect.reporting_runs(compiled, rewritten.record)
 
 
 # torch._dynamo.reset() calls reset() on the backends it cached: the process-wide report goes with the caches

@@ -31,20 +31,17 @@ import contextlib
 import hashlib
 import json
 import logging
-import pathlib
 from typing import Any
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .report import collect
 from . import dynamo_flags
 from .inductor_stage.cache_key import CompiledGraphAudit, source_hash
 from .options import Config, OptionsError
-from .pipeline import inductor_stage, run_pipeline
-from .recipes import registry
-from .report.records import GraphRecord
+from .pipeline import InductorHandoff, RewrittenGraph, inductor_handoff, rewrite_and_report
+from .recipes import measure
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +50,9 @@ INDUCTOR_SLOTS = ("pre_grad_custom_pass", "post_grad_custom_post_pass", "joint_c
 
 # option -> its default: the backend's Inductor controls, which have no meaning when torch.compile drives Inductor
 _BACKEND_ONLY = {"inductor": True, "inductor.mode": None, "inductor.options": {}}
+# the recipes' "auto" options are decided once for the process (the decompositions are installed before any graph is
+# seen): as if FSDP2 sharded the weights (torchtitan's default; a saved FP8 weight copy would undo its reshard)
+WEIGHTS_SHARDED = True
 
 
 def route_config(options: dict | None = None) -> Config:
@@ -71,13 +71,19 @@ def is_dynamo_graph(gm: fx.GraphModule | None) -> bool:
     return gm is not None and "dynamo_compile_id" in gm.meta
 
 
-def _data_hash() -> str:
-    """moepass's data files that shape a rewrite (the measured FP8 table), which source_hash (.py only) leaves out."""
-    digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.json")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+def _measured_verdicts() -> str:
+    """recipe="auto"'s verdicts measured on this GPU (recipes.measure's file, as it is now) when the pass runs after
+    the cache lookup ("late" timing: a cached graph is then served without it); "" otherwise: the pass runs first, so
+    the graph the cache keys on holds what they decided, and the file grows as a run measures (hashing it would miss
+    the cache once more for each graph compiled before the last new verdict)."""
+    import torch._inductor.config as inductor_config
+
+    if getattr(inductor_config, "pre_grad_pass_timing", "early") == "early" or not torch.cuda.is_initialized():
+        return ""  # torch < 2.12 always runs it early; without CUDA nothing is measured
+    try:
+        return hashlib.sha256(measure.cache_path(torch.cuda.get_device_name()).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "unmeasured"
 
 
 class MoepassPreGradPass(CustomGraphPass):
@@ -86,49 +92,37 @@ class MoepassPreGradPass(CustomGraphPass):
 
     def __init__(self, config: Config):
         self.config = config
-        self.graphs: dict[Any, GraphRecord] = {}  # Dynamo compile id -> the record of its graph
+        self.graphs: dict[Any, RewrittenGraph] = {}  # Dynamo compile id -> its graph, rewritten
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
         if not is_dynamo_graph(gm):
-            return  # a HOP body: run_pipeline rewrites it from the graph that calls it
-        import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
-
-        record = run_pipeline(gm, self.config)
-        report = collect.current_report(self.config, None)
-        held = report.add_graph(record)
-        self.graphs[gm.meta["dynamo_compile_id"]] = (record, lambda: collect.save_graph(report, held))
-        if log.isEnabledFor(logging.INFO):
-            log.info("%s", report.summary())
-        collect.save_graph(report, held)  # to every report_dir of the run; never raises
+            return  # a HOP body: the pipeline rewrites it from the graph that calls it
+        self.graphs[gm.meta["dynamo_compile_id"]] = rewrite_and_report(gm, self.config)
 
     def uuid(self) -> str:
-        # under "late" timing the cache keys on the graph before this pass: every option must be in the key
+        # under "late" timing the cache keys on the graph before this pass: every input of the rewrite must be in
+        # the key (source_hash holds the sources and the shipped data; then the options and any measured verdicts)
         options = json.dumps(self.config.to_dict(), sort_keys=True, default=str)
-        return f"moepass-route-{source_hash()}-{_data_hash()}-{hashlib.sha256(options.encode()).hexdigest()[:16]}"
+        verdicts = _measured_verdicts()
+        return f"moepass-route-{source_hash()}-{hashlib.sha256(options.encode()).hexdigest()[:16]}" + \
+            (f"-{verdicts}" if verdicts else "")
 
 
 class RouteAudit(CustomGraphPass):
     """Inductor `post_grad_custom_post_pass`: CompiledGraphAudit into the record of the Dynamo graph being compiled."""
 
-    def __init__(self, pre_grad: MoepassPreGradPass, variant: str):
+    def __init__(self, pre_grad: MoepassPreGradPass, handoff: InductorHandoff):
         self.pre_grad = pre_grad
-        self.variant = variant
+        self.handoff = handoff
 
     def __call__(self, graph: fx.Graph) -> None:
-        found = self.pre_grad.graphs.get(torch._guards.CompileContext.current_compile_id())
-        if found is not None:  # each compiled forward and backward saves the report again, as the backend's does
-            record, save = found
-            CompiledGraphAudit(record.compiled, self.variant, on_compiled=save)(graph)
+        rewritten = self.pre_grad.graphs.get(torch._guards.CompileContext.current_compile_id())
+        if rewritten is not None:  # each compiled forward and backward saves the report again, as the backend's does
+            self.handoff.audit(rewritten)(graph)
 
     def uuid(self) -> str:
-        return CompiledGraphAudit(variant=self.variant).uuid()
-
-
-def _settled(config: Config) -> Config:
-    """The recipes' "auto" options decided once for the process: the table is installed before any graph is seen,
-    so as if the weights were sharded by FSDP2 (torchtitan's default; a saved FP8 weight copy would undo it)."""
-    return registry.settle(config, weights_sharded=True)
+        return CompiledGraphAudit(variant=self.handoff.variant).uuid()
 
 
 class _Installation:
@@ -137,9 +131,9 @@ class _Installation:
     def __init__(self, config: Config):
         self.config = config
         self.pre_grad = MoepassPreGradPass(config)
+        self.handoff = inductor_handoff(config, WEIGHTS_SHARDED)
         self.inductor = {"pre_grad_custom_pass": self.pre_grad,
-                         **inductor_stage(RouteAudit(self.pre_grad, registry.cache_variant(_settled(config))))}
-        self.decompositions: dict = {}
+                         **self.handoff.inductor_config(RouteAudit(self.pre_grad, self.handoff))}
         self.replaced: dict[tuple[Any, str], Any] = {}  # (config module, name) -> value before install
 
     def set(self, module, name: str, value) -> None:
@@ -188,8 +182,7 @@ def install(options: dict | None = None) -> Config:
         state.set(inductor_config, "pre_grad_pass_timing", "early")
     dynamo_flags.install()  # the EP flags for Inductor's frames while installed() (it asks), not process-wide
     # the backend passes these as compile_fx(decompositions=); under backend="inductor" the default table is read
-    state.decompositions = registry.decompositions(_settled(config))
-    inductor_table.update(state.decompositions)
+    inductor_table.update(state.handoff.decompositions)
     _forget_cached_table()
     global _installed
     _installed = state
@@ -206,7 +199,7 @@ def uninstall() -> None:
     from torch._inductor.decomposition import decompositions as inductor_table
 
     state.restore()
-    for op, fn in state.decompositions.items():
+    for op, fn in state.handoff.decompositions.items():
         if inductor_table.get(op) is fn:
             del inductor_table[op]
     _forget_cached_table()

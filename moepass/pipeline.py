@@ -1,24 +1,32 @@
 """What moepass does to a graph, in one place: the passes on the Dynamo graph, then the stage inside Inductor.
 
-1. PASSES (moepass/passes/, in this order) rewrite the Dynamo graph: run_pipeline runs the enabled ones and records
-   what each did. A pass exposes `NAME` and `run(gm, config, record) -> None`;
-   `options["passes"]` picks a subset, the order stays this one (moepass.options.PIPELINE names it; a test keeps
-   the two equal).
+1. PASSES (moepass/passes/<name>.py, in the order moepass.options.PIPELINE names them) rewrite the Dynamo graph:
+   run_pipeline runs the enabled ones and records what each did. A pass exposes `NAME` and
+   `run(gm, config, record) -> None`; `options["passes"]` picks a subset, the order stays this one.
 2. After the passes, on the same graph: selective-AC policies are shown the new GEMM ops (inductor_stage/sac_policy),
    and every GEMM left is counted: rewritten, kept BF16 with its reason, or unaccounted (report/coverage).
 3. INDUCTOR_STAGE: what runs inside Inductor, set as its config entries by the backend (backend.py) or the Inductor
    route (inductor_route.py), besides the recipes' decompositions added to Inductor's table
    (recipes.registry.decompositions).
+
+Both entry points do the same with a Dynamo graph, here: rewrite_and_report (the passes, then the graph's record into
+its report), and inductor_handoff (what Inductor gets: the recipes' decompositions, INDUCTOR_STAGE's entries, the
+audit that keeps the report and the cache key).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import logging
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .report import coverage, torch_logs
+from .report import collect, coverage, torch_logs
 from .analysis import module_paths
 from .inductor_stage import sac_policy
 from .analysis.fsdp import weights_sharded
@@ -27,13 +35,15 @@ from .analysis.graph import op_histogram
 from .inductor_stage.cache_key import CompiledGraphAudit
 from .inductor_stage.saved_for_backward import SavedForBackward
 from .options import PIPELINE, Config, canonical_pass
-from .passes import deepep, grouped_mm, linear, quantize_once, weights_before_gemm
+from . import passes
+from .recipes import registry
 from .report.records import GraphRecord, PassRecord
 
 log = logging.getLogger(__name__)
 
-PASSES = {p.NAME: p for p in (deepep, weights_before_gemm, grouped_mm, quantize_once, linear)}
-"""The passes, by name, in the order they run."""
+PASSES = {name: importlib.import_module(f"{passes.__name__}.{name}") for name in PIPELINE}
+"""The passes, by name, in the order they run: the module moepass.passes.<name> for each name of options.PIPELINE
+(the order is written there only, where the `passes` option reads it)."""
 
 INDUCTOR_STAGE = (
     # on the joint graph, before the partitioner reads it: EP exchanges kept for the backward (ep_recompute),
@@ -44,11 +54,6 @@ INDUCTOR_STAGE = (
 )
 """Inductor config entry -> the moepass pass it holds, in the order Inductor runs them (the Inductor route's
 RouteAudit hands each compiled graph to a CompiledGraphAudit)."""
-
-
-def inductor_stage(audit) -> dict:
-    """INDUCTOR_STAGE's config entries for one compile: a fresh joint-graph pass, `audit` in the post-grad slot."""
-    return {"joint_custom_pre_pass": SavedForBackward(), "post_grad_custom_post_pass": audit}
 
 
 def load_pass(name: str):
@@ -99,3 +104,46 @@ def _run_passes(gm: fx.GraphModule, config: Config) -> GraphRecord:
     coverage.check_accounted(gemms)  # raises only under MOEPASS_STRICT_GEMMS (the tests)
     return GraphRecord(0, code_before, code_after, ops_before, op_histogram(gm), records,
                        weights_sharded=weights_sharded(gm), gemms=gemms)
+
+
+class RewrittenGraph(NamedTuple):
+    """A Dynamo graph after the passes, as an entry point holds it until Inductor has compiled it."""
+    record: GraphRecord
+    save: Callable[[], None]  # writes the report holding `record` to its report_dirs again; never raises
+
+
+def rewrite_and_report(gm: fx.GraphModule, config: Config, compile_call=None) -> RewrittenGraph:
+    """run_pipeline on `gm`, its record added to the report it belongs to (collect.current_report: `compile_call`
+    groups graphs by torch.compile call, None when unknown), the summary logged and the report saved."""
+    import moepass.ops  # noqa: F401  (registers the custom ops the passes target)
+
+    record = run_pipeline(gm, config)
+    report = collect.current_report(config, compile_call)
+    held = report.add_graph(record)
+    if log.isEnabledFor(logging.INFO):  # the summary covers every graph of the report: not built unless shown
+        log.info("%s", report.summary())
+    rewritten = RewrittenGraph(record, lambda: collect.save_graph(report, held))
+    rewritten.save()  # to every report_dir of the report; never raises
+    return rewritten
+
+
+@dataclasses.dataclass(frozen=True)
+class InductorHandoff:
+    """What Inductor gets from moepass under one Config, its recipes' "auto" options settled (registry.settle)."""
+    decompositions: dict  # the recipes' decompositions, added to Inductor's table (they are in no cache key...)
+    variant: str  # ...so the options they read go into the audit's uuid (registry.cache_variant)
+
+    def audit(self, rewritten: RewrittenGraph) -> CompiledGraphAudit:
+        """The audit of one rewritten graph: each graph Inductor compiles from it (the forward now, the backward at
+        the first backward) is recorded into its record, and the report saved again."""
+        return CompiledGraphAudit(rewritten.record.compiled, self.variant, on_compiled=rewritten.save)
+
+    def inductor_config(self, audit: CustomGraphPass) -> dict:
+        """INDUCTOR_STAGE's config entries for one compile: a fresh joint-graph pass, `audit` in the post-grad slot."""
+        return {"joint_custom_pre_pass": SavedForBackward(), "post_grad_custom_post_pass": audit}
+
+
+def inductor_handoff(config: Config, weights_sharded: bool) -> InductorHandoff:
+    """The handoff to Inductor of graphs whose GEMMs' weights are (or are not) sharded by FSDP2."""
+    settled = registry.settle(config, weights_sharded)
+    return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled))

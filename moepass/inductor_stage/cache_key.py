@@ -10,9 +10,9 @@ A custom op's Python body and autograd formula are not part of Inductor's FX-gra
 or the AOTAutograd cache key, so after editing an op (or its decomposition) a warm cache could
 serve the old code.
 Inductor does hash the `uuid()` of custom graph passes in its config: ours is a hash of the moepass
-source files that can shape a compiled graph (the engine, its analysis, ops and passes); the benchmark
-harness is left out, so editing a chart does not invalidate compiled graphs. (On a cache hit the graph is
-not recompiled, so nothing is audited.)
+source files that can shape a compiled graph (the engine, its analysis, ops and passes) and of the data files
+shipped beside them (the FP8 tables recipe="auto" reads); the benchmark harness is left out, so editing a chart
+does not invalidate compiled graphs. (On a cache hit the graph is not recompiled, so nothing is audited.)
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ from ..recipes import registry
 log = logging.getLogger(__name__)
 
 NOT_HASHED = ("harness",)  # folders under a root whose code never reaches a compiled graph
+# the package data that shapes a rewrite, wherever it sits (pyproject.toml's package-data: the shipped FP8 tables)
+DATA_FILES = ("*.json",)
 
 
 def source_files(roots: list[pathlib.Path]) -> list[tuple[pathlib.Path, pathlib.Path]]:
-    """(root, path) of every .py file under `roots` outside NOT_HASHED, in a fixed order."""
-    return [(root, path) for root in sorted(roots) for path in sorted(root.rglob("*.py"))
-            if path.relative_to(root).parts[0] not in NOT_HASHED]
+    """(root, path) of every .py file and data file (DATA_FILES) under `roots` outside NOT_HASHED, in a fixed order."""
+    return [(root, path) for root in sorted(roots) for pattern in ("*.py", *DATA_FILES)
+            for path in sorted(root.rglob(pattern)) if path.relative_to(root).parts[0] not in NOT_HASHED]
 
 
 def tree_hash(roots: list[pathlib.Path]) -> str:

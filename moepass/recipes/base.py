@@ -7,6 +7,21 @@ families from its GEMM bodies), states the block K and N must be multiples of, i
 ("linear" or "grouped"; or none, and the GEMM stays BF16), the arguments a plan appends to its ops, its wgrad_bf16
 policy, and what else shapes the compiled code: its Inductor decompositions and their cache variant.
 moepass.recipes.registry holds the recipes by name; `register(recipe)` adds one from anywhere.
+
+Every recipe folder has one shape (RECIPE_FOLDER), a recipe from outside moepass too (tests/unit/toy_recipe/):
+  recipe.py      the recipe: its Options, the Recipe object, its ops registered through the op families from the GEMM
+                 bodies below, then register(RECIPE) (a recipe from outside moepass: the one call its user makes);
+  linear.py      the linear GEMM bodies (forward, dgrad, wgrad: GEMMS), which the op family ops/lowp/linear.py turns
+                 into autograd ops;
+  grouped_mm.py  the grouped GEMM bodies, likewise (ops/lowp/grouped_mm.py; grouped_mm_rows.py for rows quantized
+                 before their gather);
+  quant.py       the quantization (its reference numerics, or calls into a library's kernels) and the block or
+                 alignment it needs, which the recipe states as `multiple`;
+  kernels/       a package: the kernel choice (kernels/choice.py: which implementation runs where, and the check
+                 every op call makes) and the kernels (Triton, GEMM primitives, the custom ops around them), one idea
+                 per module;
+  decomp.py      its Inductor decompositions (an empty table is an answer).
+Nothing else sits at its top level but __init__.py (tests/unit/test_recipes.py checks every folder).
 """
 
 from __future__ import annotations
@@ -20,6 +35,8 @@ from moepass.skips import Reason, SkipCode
 FAMILIES = {"linear": "linear", "grouped": "grouped_mm"}
 # the six GEMM ops every recipe registers, each as moepass::<name>_<op>
 GEMM_OPS = ("linear", "linear_dgrad", "linear_wgrad", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad")
+# what a recipe's folder holds besides __init__.py ("/": a package), as the module docstring describes
+RECIPE_FOLDER = ("recipe.py", "linear.py", "grouped_mm.py", "quant.py", "kernels/", "decomp.py")
 
 
 class Recipe:

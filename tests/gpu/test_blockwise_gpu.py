@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401  (registers the ops)
-from moepass.ops.lowp.blockwise import gemm, kernels, quant
+from moepass.ops.lowp.blockwise import quant
+from moepass.ops.lowp.blockwise.kernels import choice, gemm
 from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
                      linear_reference, sqnr)
 
@@ -26,9 +27,9 @@ CLOSE_TO_EMULATED_DB = 40.0  # the same quantized operands: fp32 accumulation or
 
 def _torch_takes_blockwise_scales() -> str | None:
     """Why this torch build cannot (None: it should on sm_90), so an old build skips rather than fails."""
-    if kernels._version(torch.__version__) < kernels.MIN_TORCH:
+    if choice._version(torch.__version__) < choice.MIN_TORCH:
         return f"torch {torch.__version__} < 2.11"
-    if kernels._version(torch.version.cuda) < kernels.MIN_CUDA:
+    if choice._version(torch.version.cuda) < choice.MIN_CUDA:
         return f"torch built with CUDA {torch.version.cuda} < 12.9"
     return None
 
@@ -43,7 +44,7 @@ def scaled_mm():
 
 def test_kernel_choice_names_the_device():
     for grouped in (False, True):
-        kernel, reason = kernels.choose_blockwise_kernel(torch.device("cuda"), grouped)
+        kernel, reason = choice.choose_blockwise_kernel(torch.device("cuda"), grouped)
         assert f"sm_{CC[0]}{CC[1]}" in reason and torch.cuda.get_device_name() in reason, reason
         if CC[0] == 9 and _torch_takes_blockwise_scales() is None:
             assert kernel in (("scaled_mm", "triton", "deepgemm") if grouped else ("scaled_mm",)), reason
@@ -51,16 +52,16 @@ def test_kernel_choice_names_the_device():
 
 @needs_sm90
 def test_the_scaled_mm_probe_passes_on_hopper(scaled_mm):
-    assert kernels.kernel_problem("scaled_mm", torch.device("cuda"), False) is None
+    assert choice.kernel_problem("scaled_mm", torch.device("cuda"), False) is None
 
 
 @needs_sm90
 def test_the_triton_check_passes_on_hopper():
-    assert kernels.kernel_problem("triton", torch.device("cuda"), True) is None
+    assert choice.kernel_problem("triton", torch.device("cuda"), True) is None
 
 
 def _triton():
-    problem = kernels.kernel_problem("triton", torch.device("cuda"), True)
+    problem = choice.kernel_problem("triton", torch.device("cuda"), True)
     if problem:
         pytest.skip(problem)
 
@@ -73,7 +74,7 @@ def _triton():
     ([3000, 96, 1000], 2048, 7168, 0)])
 def test_triton_m_grouped_gemm_matches_the_emulated_gemm(sizes, k, n, trailing):
     _triton()
-    from moepass.ops.lowp.blockwise import triton_grouped
+    from moepass.ops.lowp.blockwise.kernels import triton_grouped
 
     gen = torch.Generator().manual_seed(sum(sizes) + k)
     x = torch.randn(sum(sizes) + trailing, k, generator=gen).to("cuda", torch.bfloat16)
@@ -88,7 +89,7 @@ def test_triton_m_grouped_gemm_matches_the_emulated_gemm(sizes, k, n, trailing):
 @pytest.mark.parametrize("sizes, n, k", [([128, 0, 384, 2048], 384, 256), ([4096] * 4, 2048, 7168)])
 def test_triton_k_grouped_gemm_matches_the_emulated_gemm(sizes, n, k):
     _triton()
-    from moepass.ops.lowp.blockwise import triton_grouped
+    from moepass.ops.lowp.blockwise.kernels import triton_grouped
 
     gen = torch.Generator().manual_seed(sum(sizes) + n)
     a = torch.randn(n, sum(sizes), generator=gen).to("cuda", torch.bfloat16)
@@ -154,7 +155,7 @@ def test_grouped_kernels_match_emulated_and_clear_the_bars(scaled_mm, sizes, k, 
 
 
 def test_deepgemm_matches_emulated_where_it_passed_its_self_check():
-    problem = kernels.kernel_problem("deepgemm", torch.device("cuda"), True)
+    problem = choice.kernel_problem("deepgemm", torch.device("cuda"), True)
     if problem:
         pytest.skip(problem)
     x, w_t, offs, g = grouped_inputs([300, 0, 77, 200], 256, 384, seed=2200, device="cuda", trailing_tokens=5)

@@ -12,7 +12,7 @@ import torch
 import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
 from moepass.recipes import auto
 from moepass.ops.lowp.fp8_rowwise import quant
-from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
+from moepass.ops.lowp.fp8_rowwise.kernels.choice import choose_fp8_rowwise_kernel
 from helpers import FP8_ROWWISE_SQNR_BARS as SQNR_BARS
 from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs, linear_reference,
                      sqnr)
@@ -88,7 +88,7 @@ def test_expert_weight_quantization_equals_the_reference():
 @pytest.mark.parametrize("sizes, trailing", [([10, 0, 50, 40], 7), ([100, 33, 0, 0, 17], 3), ([0, 0, 5], 0),
                                              ([1024] * 8, 0)])
 def test_token_group_quantization_writes_the_padded_wgrad_layout(sizes, trailing):
-    from moepass.ops.lowp.fp8_rowwise.triton_kernels import token_group_cols_padded
+    from moepass.ops.lowp.fp8_rowwise.kernels.triton_token_group_cols import token_group_cols_padded
 
     d = 96
     x = _wide_range((sum(sizes) + trailing, d), seed=len(sizes))
@@ -107,7 +107,7 @@ def test_token_group_quantization_writes_the_padded_wgrad_layout(sizes, trailing
 
 
 def test_zero_rows_from_group_end():
-    from moepass.ops.lowp.fp8_rowwise.triton_kernels import zero_rows_from_group_end_
+    from moepass.ops.lowp.fp8_rowwise.kernels.triton_zero_rows import zero_rows_from_group_end_
 
     out = torch.randn(300, 80, device="cuda", dtype=torch.bfloat16)
     want = out.clone()

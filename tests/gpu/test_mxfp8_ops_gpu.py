@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401
-from moepass.ops.lowp.mxfp8.kernels import choose_mxfp8_kernel
+from moepass.ops.lowp.mxfp8.kernels.choice import choose_mxfp8_kernel
 from helpers import MXFP8_GROUPED_SHAPES as GROUPED_SHAPES
 from helpers import MXFP8_LINEAR_SHAPES as LINEAR_SHAPES
 from helpers import MXFP8_SQNR_BARS as SQNR_BARS

@@ -33,7 +33,7 @@ from moepass import inductor_route
 from moepass.inductor_stage.cache_key import CompiledGraphAudit
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
-from moepass.recipes.registry import RECIPES
+from moepass.recipes.registry import RECIPES, settle
 from helpers import rank_pool, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16
@@ -471,7 +471,7 @@ def test_flex_training_step_on_cuda_through_the_route():
     options = {"recipe": recipe, "passes": ["grouped_mm", "linear"]}
     # the route settles the recipes' "auto" layout options once for every graph, as if FSDP2 sharded the weights
     # (Inductor's decomposition table is global); the backend settles per graph: give it the route's values
-    settled = inductor_route._settled(moepass.Config.from_options(options))
+    settled = settle(moepass.Config.from_options(options), inductor_route.WEIGHTS_SHARDED)
     backend_options = {**options, **{key: settled[key] for r in RECIPES.values() for key in r.decomposition_options}}
     results = {}
     for route in (True, False, None):  # None: plain BF16 Inductor, the reference both FP8 runs are judged against

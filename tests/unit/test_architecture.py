@@ -266,10 +266,16 @@ def test_a_recipe_folder_stands_alone_and_the_op_families_name_no_recipe():
     assert registering == {f"moepass.ops.lowp.{name}.recipe" for name in folders}
 
 
-def test_the_pipeline_names_every_pass_in_the_options_order():
-    assert tuple(pipeline.PASSES) == options.PIPELINE
+def test_the_pass_order_is_written_once_and_every_pass_module_runs():
+    """options.PIPELINE is the order; pipeline.PASSES is read off it (moepass.passes.<name>), and every pass module
+    is one of its names."""
+    pass_modules = {f"moepass.passes.{name}" for name in options.PIPELINE}
+    assert not set(import_graph().successors("moepass.pipeline")) & pass_modules, \
+        "pipeline.py imports passes by name, writing the order again: read it off options.PIPELINE"
+    assert {name: module.NAME for name, module in pipeline.PASSES.items()} == {n: n for n in options.PIPELINE}
+    assert [module.__name__ for module in pipeline.PASSES.values()] == [f"moepass.passes.{n}" for n in options.PIPELINE]
     passes = {p.stem for p in PACKAGE_DIRS["moepass.passes"].glob("*.py") if p.stem != "__init__"}
-    assert set(pipeline.PASSES) == passes, "a pass module the pipeline does not run, or the reverse"
+    assert set(options.PIPELINE) == passes, "a pass module the pipeline does not run, or the reverse"
     assert {slot for slot, _ in pipeline.INDUCTOR_STAGE} == set(options.MOEPASS_INDUCTOR_PATCHES)
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from moepass.ops.lowp.fp8_rowwise import kernels as fp8_kernels
+from moepass.ops.lowp.fp8_rowwise.kernels import choice as fp8_choice
 from moepass.options import Config
 from moepass.recipes import auto, measure
 from moepass.recipes.plan import plan_gemm
@@ -22,7 +22,7 @@ def hopper(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(fp8_kernels, "_triton_available", lambda: True)
+    monkeypatch.setattr(fp8_choice, "_triton_available", lambda: True)
     monkeypatch.setenv(measure.CACHE_ENV, str(tmp_path))
     measure._cache.cache_clear()
     timed = []

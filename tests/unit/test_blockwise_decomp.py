@@ -13,7 +13,8 @@ import torch
 
 import moepass
 import moepass.ops  # noqa: F401  (registers the ops)
-from moepass.ops.lowp.blockwise import decomp, gemm, kernels, quant
+from moepass.ops.lowp.blockwise import decomp, quant
+from moepass.ops.lowp.blockwise.kernels import choice, gemm
 from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config
 from moepass.recipes.registry import settle
@@ -31,7 +32,7 @@ GEMM_OPS = {ops.blockwise_scaled_mm.default, ops.blockwise_scaled_grouped_mm.def
 def blockwise_scaled_mm_on_cpu(monkeypatch):
     """Let kernels "scaled_mm" and "triton" pass the blockwise ops' checks on CPU (their opaque GEMM ops emulate
     there)."""
-    original_problem, original_choice = kernels.kernel_problem, kernels.choose_blockwise_kernel
+    original_problem, original_choice = choice.kernel_problem, choice.choose_blockwise_kernel
 
     def problem(kernel, device, grouped):
         if kernel in decomp.DECOMPOSED and torch.device(device).type == "cpu":
@@ -43,8 +44,8 @@ def blockwise_scaled_mm_on_cpu(monkeypatch):
             return "scaled_mm", "test: blockwise scaled_mm on CPU (emulated GEMM)"
         return original_choice(device, grouped)
 
-    monkeypatch.setattr(kernels, "kernel_problem", problem)
-    monkeypatch.setattr(kernels, "choose_blockwise_kernel", choose)
+    monkeypatch.setattr(choice, "kernel_problem", problem)
+    monkeypatch.setattr(choice, "choose_blockwise_kernel", choose)
 
 
 def _graphs_backend(graphs, compiles=None):

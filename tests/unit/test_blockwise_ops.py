@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import moepass.ops  # noqa: F401  (registers the ops)
-from moepass.ops.lowp.blockwise import kernels, quant
+from moepass.ops.lowp.blockwise import quant
+from moepass.ops.lowp.blockwise.kernels import choice
 from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config, OptionsError
 from moepass.recipes.plan import GemmPlan, plan_gemm
@@ -305,7 +306,7 @@ def test_k_or_n_off_the_128_block_is_rejected_naming_the_fix():
         ops.blockwise_grouped_mm_wgrad(gg, xg, offs, "emulated")
     assert BLOCKWISE.shape_problem(256, 160).code is SkipCode.NOT_A_MULTIPLE
     # the block the recipe states is its quantizer's, and its kernels' reasons name its own kernel option
-    assert BLOCKWISE.multiple == quant.TILE == 128 and kernels.KERNEL_OPTION == BLOCKWISE.kernel_option
+    assert BLOCKWISE.multiple == quant.TILE == 128 and choice.KERNEL_OPTION == BLOCKWISE.kernel_option
 
 
 def test_bad_kernel_names_and_kernels_that_cannot_run_here_are_refused():
@@ -331,9 +332,9 @@ def cuda_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Test GPU sm_{major}{minor}")
-        monkeypatch.setattr(kernels, "_scaled_mm_problem_on", lambda index: scaled_mm)
-        monkeypatch.setattr(kernels, "_deepgemm_problem_on", lambda index: deepgemm)
-        monkeypatch.setattr(kernels, "_triton_problem_on", lambda index: triton)
+        monkeypatch.setattr(choice, "_scaled_mm_problem_on", lambda index: scaled_mm)
+        monkeypatch.setattr(choice, "_deepgemm_problem_on", lambda index: deepgemm)
+        monkeypatch.setattr(choice, "_triton_problem_on", lambda index: triton)
     return set_capability
 
 
@@ -421,17 +422,17 @@ def test_deepgemm_self_check_runs_apart_and_a_crash_is_a_verdict(monkeypatch):
         calls.append((cmd, kwargs["env"]["CUDA_VISIBLE_DEVICES"]))
         return subprocess.CompletedProcess(cmd, -11, stdout="", stderr="Fatal Python error: Segmentation fault")
 
-    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(kernels.subprocess, "run", run)
+    monkeypatch.setattr(choice.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(choice.subprocess, "run", run)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    kernels._deepgemm_problem_on.cache_clear()
+    choice._deepgemm_problem_on.cache_clear()
     try:
-        problem = kernels._deepgemm_problem_on(1)
+        problem = choice._deepgemm_problem_on(1)
         assert problem == "DeepGEMM's self-check died of signal 11 (Fatal Python error: Segmentation fault)"
-        assert kernels._deepgemm_problem_on(1) is problem and len(calls) == 1  # cached
-        assert calls[0][0][-2:] == ["-m", kernels.DEEPGEMM_CHECK_MODULE] and calls[0][1] == "1"
+        assert choice._deepgemm_problem_on(1) is problem and len(calls) == 1  # cached
+        assert calls[0][0][-2:] == ["-m", choice.DEEPGEMM_CHECK_MODULE] and calls[0][1] == "1"
     finally:
-        kernels._deepgemm_problem_on.cache_clear()
+        choice._deepgemm_problem_on.cache_clear()
 
 
 def test_recipe_auto_never_picks_blockwise(cuda_capability):

@@ -1,4 +1,4 @@
-"""moepass's Triton blockwise grouped kernels (ops/lowp/blockwise/triton_grouped.py) on CPU, under Triton's
+"""moepass's Triton blockwise grouped kernels (ops/lowp/blockwise/kernels/triton_grouped.py) on CPU, under Triton's
 interpreter, at every autotuning config: the program-to-(group, row tile) mapping, empty groups, groups that end inside
 a row tile, rows after the last group, against the emulated GEMM. The interpreter must be on before triton is imported,
 so the checks run in a child process (this file run as a script). Their speed and tensor-core numerics are checked on
@@ -29,7 +29,8 @@ def _check() -> None:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures"))
     from helpers import sqnr
-    from moepass.ops.lowp.blockwise import gemm, quant, triton_grouped
+    from moepass.ops.lowp.blockwise import quant
+    from moepass.ops.lowp.blockwise.kernels import gemm, triton_grouped
 
     bf16, gen = torch.bfloat16, torch.Generator().manual_seed(0)
     cases = []

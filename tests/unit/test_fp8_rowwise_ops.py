@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moepass.ops.lowp.fp8_rowwise  # noqa: F401  (registers the ops)
-from moepass.ops.lowp.fp8_rowwise.kernels import choose_fp8_rowwise_kernel
+from moepass.ops.lowp.fp8_rowwise.kernels.choice import choose_fp8_rowwise_kernel
 from moepass.ops.lowp.fp8_rowwise.recipe import FP8_ROWWISE
 from moepass.recipes import auto, auto_table
 from moepass.recipes.plan import resolve_recipe
@@ -526,12 +526,12 @@ def test_fp8_rowwise_kernel_option(cuda_capability, monkeypatch):
     with pytest.raises(OptionsError, match=r"fp8_rowwise.kernel='scaled_mm' requested but CPU"):
         FP8_ROWWISE.choose_kernel("scaled_mm", "cpu", "linear")
     cuda_capability(9, 0)
-    monkeypatch.setattr("moepass.ops.lowp.fp8_rowwise.kernels._triton_available", lambda: True)
+    monkeypatch.setattr("moepass.ops.lowp.fp8_rowwise.kernels.choice._triton_available", lambda: True)
     kernel, reason = FP8_ROWWISE.choose_kernel("auto", "cuda", "grouped")
     assert kernel == "scaled_mm" and "torch._scaled_grouped_mm" in reason and "sm_90" in reason
     kernel, reason = FP8_ROWWISE.choose_kernel("emulated", "cuda", "linear")
     assert kernel == "emulated" and "fp8_rowwise.kernel='emulated' requested" in reason
-    monkeypatch.setattr("moepass.ops.lowp.fp8_rowwise.kernels._triton_available", lambda: False)
+    monkeypatch.setattr("moepass.ops.lowp.fp8_rowwise.kernels.choice._triton_available", lambda: False)
     kernel, reason = FP8_ROWWISE.choose_kernel("auto", "cuda", "linear")
     assert kernel == "emulated" and "Triton is unavailable" in reason
 

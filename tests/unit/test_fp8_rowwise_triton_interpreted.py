@@ -1,4 +1,4 @@
-"""moepass's FP8-rowwise Triton kernels (ops/lowp/fp8_rowwise/triton_kernels.py) on CPU, under Triton's interpreter:
+"""moepass's FP8-rowwise Triton kernels (ops/lowp/fp8_rowwise/kernels/triton_*.py) on CPU, under Triton's interpreter:
 - both_layouts: the per-tile amax pass on shapes that end inside a tile, with several experts, and the scales
   both_layouts derives from it;
 - token_group_cols_padded on FP8 rows with their scales (the wgrad on the rows quantize_once saved): every output
@@ -33,7 +33,7 @@ def test_tile_amax_both_layouts_scales_and_token_groups_on_fp8_rows():
 def _check() -> None:
     import torch
 
-    from moepass.ops.lowp.fp8_rowwise import triton_kernels
+    from moepass.ops.lowp.fp8_rowwise.kernels import triton_both_layouts
     from moepass.ops.lowp.fp8_rowwise.quant import scale_from_amax
 
     gen = torch.Generator().manual_seed(0)
@@ -41,10 +41,10 @@ def _check() -> None:
         # rows of very different magnitudes, so a row's or a column's amax comes from one element
         t = torch.randn(experts, r, c, generator=gen) * torch.rand(experts, r, 1, generator=gen) * 10
         t = t.to(torch.bfloat16)
-        row_amax, col_amax = triton_kernels.tile_amax(t, tile_r=64, load_r=16, tile_c=32)  # many tiles per operand
+        row_amax, col_amax = triton_both_layouts.tile_amax(t, tile_r=64, load_r=16, tile_c=32)  # many tiles per operand
         assert torch.equal(row_amax, t.abs().amax(-1).float()), (experts, r, c)
         assert torch.equal(col_amax, t.abs().amax(-2).float()), (experts, r, c)
-        q_rows, row_scale, q_cols, col_scale = triton_kernels.both_layouts(t)
+        q_rows, row_scale, q_cols, col_scale = triton_both_layouts.both_layouts(t)
         assert torch.equal(row_scale, scale_from_amax(t.abs().amax(-1).float()))
         assert torch.equal(col_scale, scale_from_amax(t.abs().amax(-2).float()))
         assert q_rows.shape == t.shape and q_cols.shape == t.mT.shape
@@ -55,15 +55,16 @@ def _check() -> None:
 def _check_token_groups_on_fp8_rows(gen) -> None:
     import torch
 
-    from moepass.ops.lowp.fp8_rowwise import quant, triton_kernels
+    from moepass.ops.lowp.fp8_rowwise import quant
+    from moepass.ops.lowp.fp8_rowwise.kernels.triton_token_group_cols import token_group_cols_padded
 
     for sizes, trailing, d in TOKEN_GROUP_CASES:
         x = (torch.randn(sum(sizes) + trailing, d, generator=gen) * torch.rand(sum(sizes) + trailing, 1, generator=gen)
              * 100).to(torch.bfloat16)
         x_q, x_scale = quant.rows(x, "emulated")
         offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-        got = triton_kernels.token_group_cols_padded(x_q, offs, x_scale, block_m=32)  # several row blocks a group
-        want = triton_kernels.token_group_cols_padded(quant.dequantize(x_q, x_scale), offs, block_m=32)
+        got = token_group_cols_padded(x_q, offs, x_scale, block_m=32)  # several row blocks a group
+        want = token_group_cols_padded(quant.dequantize(x_q, x_scale), offs, block_m=32)
         ends = int(want[2][-1])  # columns past the padded groups are not written
         assert torch.equal(got[0][:, :ends].view(torch.uint8), want[0][:, :ends].view(torch.uint8)), (sizes, d)
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), (sizes, d)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
-from moepass.ops.lowp.mxfp8.kernels import choose_mxfp8_kernel
+from moepass.ops.lowp.mxfp8.kernels.choice import choose_mxfp8_kernel
 from helpers import MXFP8_GROUPED_SHAPES as GROUPED_SHAPES
 from helpers import MXFP8_LINEAR_SHAPES as LINEAR_SHAPES
 from helpers import MXFP8_SQNR_BARS as SQNR_BARS

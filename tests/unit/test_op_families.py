@@ -13,7 +13,7 @@ import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 from moepass import device_arch
 from moepass.op_registry import GemmRole, gemm_role, is_dispatch, is_exchange
 from moepass.ops.lowp.fp8_rowwise import decomp as fp8_rowwise_decomp
-from moepass.ops.lowp.fp8_rowwise import scaled_gemms
+from moepass.ops.lowp.fp8_rowwise.kernels import scaled_gemms
 from moepass.options import Config
 from moepass.recipes import registry
 
@@ -80,7 +80,7 @@ def test_gemm_primitives_are_a_leaf_and_the_decomposition_imports_no_op_module()
     assert _moepass_imports(scaled_gemms) == set()
     # the decomposition may use the quantization, the GEMM primitives and the shared Inductor fallback registration;
     # never a module that registers ops (importing one would register the ops it decomposes)
-    assert _moepass_imports(fp8_rowwise_decomp) == {"quant", "scaled_gemms", "inductor_fallbacks"}
+    assert _moepass_imports(fp8_rowwise_decomp) == {"quant", "kernels.scaled_gemms", "inductor_fallbacks"}
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -131,7 +131,7 @@ def test_report_dir_is_created_and_left_clean(tmp_path):
 
 
 def test_report_dir_that_is_a_file_fails_before_any_pass(tmp_path, monkeypatch):
-    import moepass.backend
+    import moepass.pipeline
 
     a_file = tmp_path / "report.txt"
     a_file.write_text("")
@@ -140,7 +140,7 @@ def test_report_dir_that_is_a_file_fails_before_any_pass(tmp_path, monkeypatch):
     message = str(info.value)
     assert "'report_dir'" in message and str(a_file) in message and "File exists" in message
     assert "give a directory" in message
-    monkeypatch.setattr(moepass.backend, "run_pipeline",
+    monkeypatch.setattr(moepass.pipeline, "run_pipeline",
                         lambda *a: pytest.fail("a pass ran before report_dir was checked"))
     compiled = torch.compile(torch.nn.Linear(32, 32), backend="moepass", options={"report_dir": str(a_file)})
     with pytest.raises(OptionsError, match="report_dir"):

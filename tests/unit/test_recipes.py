@@ -15,12 +15,13 @@ import moepass.ops  # noqa: F401  (registers torch.ops.moepass.*)
 import moepass.passes
 from moepass.option_types import option
 from moepass.options import Config, options_table
-from moepass.recipes.base import Recipe
+from moepass.recipes.base import RECIPE_FOLDER, Recipe
 from moepass.recipes.plan import GemmPlan, plan_gemm
 from moepass.recipes.registry import RECIPES, cache_variant, decomposed_gemms, decompositions, register, settle
 from moepass.skips import Reason, SkipCode
 
 MOEPASS = pathlib.Path(moepass.__file__).parent
+TOY_RECIPE = pathlib.Path(__file__).parent / "toy_recipe"  # a recipe from outside moepass has the same shape
 BUILT_IN = ("mxfp8", "fp8_rowwise", "blockwise")  # the `recipe` option's order: moepass/ops/lowp/__init__.py's
 _OPTION = {o.key: o for o in options_table()}
 
@@ -50,6 +51,47 @@ def test_each_recipe_folder_holds_one_registered_recipe():
     imported = {a.name for node in ast.walk(ast.parse((lowp / "__init__.py").read_text()))
                 if isinstance(node, ast.ImportFrom) for a in node.names}
     assert set(folders) <= imported
+
+
+def recipe_folder_problems(folder: pathlib.Path) -> list[str]:
+    """What keeps `folder` from the one shape of a recipe folder (RECIPE_FOLDER and __init__.py): a part missing,
+    anything else at its top level, a kernels/ that is not a package of modules."""
+    want = {"__init__.py", *RECIPE_FOLDER}
+    have = {p.name + "/" * p.is_dir() for p in folder.iterdir() if p.name != "__pycache__"}
+    problems = [f"{folder.name}/{name} is missing" for name in sorted(want - have)]
+    problems += [f"{folder.name}/{name} is no part of a recipe folder ({', '.join(RECIPE_FOLDER)})"
+                 for name in sorted(have - want)]
+    kernels = folder / "kernels"
+    if kernels.is_dir():
+        problems += [f"{folder.name}/kernels/{p.name} is not a module" for p in sorted(kernels.iterdir())
+                     if p.name != "__pycache__" and p.suffix != ".py"]
+        if not (kernels / "__init__.py").is_file():
+            problems.append(f"{folder.name}/kernels/ has no __init__.py")
+    return problems
+
+
+@pytest.mark.parametrize("folder", [*sorted(p.parent for p in (MOEPASS / "ops" / "lowp").glob("*/recipe.py")),
+                                    TOY_RECIPE], ids=lambda folder: folder.name)
+def test_every_recipe_folder_has_the_one_shape(folder):
+    assert recipe_folder_problems(folder) == []
+
+
+def test_a_recipe_folder_off_the_shape_is_told_what_is_off(tmp_path):
+    folder = tmp_path / "planted"
+    (folder / "kernels" / "tuned").mkdir(parents=True)  # planted: a sub-folder in kernels/, which has no __init__.py
+    for name in ("__init__.py", "recipe.py", "linear.py", "grouped_mm.py", "decomp.py", "triton_kernels.py"):
+        (folder / name).write_text("")  # planted: no quant.py, a Triton module at the top level
+    assert recipe_folder_problems(folder) == [
+        "planted/quant.py is missing",
+        "planted/triton_kernels.py is no part of a recipe folder (recipe.py, linear.py, grouped_mm.py, quant.py, "
+        "kernels/, decomp.py)",
+        "planted/kernels/tuned is not a module", "planted/kernels/ has no __init__.py"]
+
+
+def test_the_recipe_folder_shape_is_written_in_the_docs():
+    page = (MOEPASS.parent / "docs" / "recipes.md").read_text()
+    section = page.split("## Adding a recipe", 1)[1].split("\n## ", 1)[0]
+    assert all(f"| `{name}` |" in section for name in RECIPE_FOLDER) and "RECIPE_FOLDER" in section
 
 
 def test_any_moepass_import_finds_every_built_in_recipe_registered():

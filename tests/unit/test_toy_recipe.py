@@ -17,7 +17,8 @@ from moepass.options import Config, OptionsError, options_table
 from moepass.recipes import registry
 
 from helpers import TINY
-from toy_recipe import BF16_ROUNDTRIP, gemms
+from toy_recipe import BF16_ROUNDTRIP
+from toy_recipe.kernels import reference
 
 NAME = BF16_ROUNDTRIP.name
 KEYS = (f"{NAME}.kernel", f"{NAME}.wgrad_bf16", f"{NAME}.accumulate")
@@ -68,7 +69,7 @@ def test_the_debug_model_compiles_to_its_ops_and_trains_a_step(toy_recipe):
     tokens = torch.randint(0, TINY["vocab_size"], (2, 32))
     with torch.no_grad():
         eager_loss = next_token_loss(model(tokens), tokens)
-    gemms.CALLS.clear()
+    reference.CALLS.clear()
     compiled = torch.compile(model, backend="moepass", options={"recipe": NAME, f"{NAME}.accumulate": "fp32"})
     # the compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
     with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
@@ -89,9 +90,9 @@ def test_the_debug_model_compiles_to_its_ops_and_trains_a_step(toy_recipe):
     assert len(backward) == 1 and all(backward[0].get(f"moepass.{NAME}_{gemm}", 0) > 0 for gemm in (
         "linear_dgrad", "linear_wgrad", "grouped_mm_dgrad", "grouped_mm_wgrad"))
     # its own kernels ran, forward and backward, with its option's value as their argument
-    assert {gemm for gemm, _, _ in gemms.CALLS} == {"linear", "linear_dgrad", "linear_wgrad", "grouped_mm",
-                                                     "grouped_mm_dgrad", "grouped_mm_wgrad"}
-    assert {(accumulate, kernel) for _, accumulate, kernel in gemms.CALLS} == {("fp32", "reference")}
+    assert {gemm for gemm, _, _ in reference.CALLS} == {"linear", "linear_dgrad", "linear_wgrad", "grouped_mm",
+                                                         "grouped_mm_dgrad", "grouped_mm_wgrad"}
+    assert {(accumulate, kernel) for _, accumulate, kernel in reference.CALLS} == {("fp32", "reference")}
     # plain matmuls: the loss is the model's own, up to BF16 rounding and the passes' reordering
     torch.testing.assert_close(loss.detach(), eager_loss, rtol=2e-2, atol=2e-2)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -35,6 +35,8 @@ import os
 
 import torch
 
+from .backend import EPBackend
+
 NVL_PEERS = 8  # DeepEP's NUM_MAX_NVL_PEERS: a node's NVLink domain; a larger group spans nodes of 8
 INTRANODE_GROUP_SIZES = (2, 4, 8)
 INTERNODE_NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 18, 20)  # the node counts DeepEP's internode kernels are built for
@@ -62,13 +64,6 @@ _buffers: dict[str, object] = {}
 
 def is_internode(group_size: int) -> bool:
     return group_size > NVL_PEERS
-
-
-def handle_size_carriers(group_size: int) -> tuple[int, int]:
-    """Indices in the handle of a tensor whose dim 0 is N (tokens sent) and one whose dim 0 is R (rows received)."""
-    if is_internode(group_size):
-        return INTERNODE_HANDLE.index("is_token_in_rank"), INTERNODE_HANDLE.index("recv_src_meta")
-    return HANDLE_IS_TOKEN_IN_RANK, HANDLE_RECV_SRC_IDX
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,62 +280,76 @@ def _dispatch(payload, topk_idx, topk_weights, num_experts: int, group_name: str
     return recv, recv_topk_idx.to(torch.int64), recv_topk_weights, num_recv_tokens_per_expert, list(handle)
 
 
-def deepep_dispatch(x, topk_idx, topk_weights, num_experts: int, group_name: str, group):
-    check_tokens(x, "dispatch", group.size(), topk_idx.shape[1])
-    return _dispatch(x.contiguous(), topk_idx, topk_weights, num_experts, group_name, group)
+class DeepEP(EPBackend):
+    name = "deepep"
 
+    def size_carriers(self, group_size: int) -> tuple[int, int]:
+        if is_internode(group_size):
+            return INTERNODE_HANDLE.index("is_token_in_rank"), INTERNODE_HANDLE.index("recv_src_meta")
+        return HANDLE_IS_TOKEN_IN_RANK, HANDLE_RECV_SRC_IDX
 
-def deepep_dispatch_fp8(x_q, x_scale, topk_idx, topk_weights, num_experts: int, group_name: str, group):
-    """(recv_x_q, recv_x_scale, recv_topk_idx, recv_topk_weights, counts, handle): FP8 rows and their scales through
-    DeepEP's FP8 dispatch. One scale a row travels repeated per 128 columns (exact) and comes back as one."""
-    check_fp8_tokens(x_q, x_scale, group.size(), topk_idx.shape[1])
-    blocks = x_q.shape[1] // FP8_SCALE_BLOCK
-    scales = x_scale.expand(-1, blocks) if x_scale.shape[1] == 1 else x_scale
-    recv, recv_idx, recv_w, counts, handle = _dispatch((x_q.contiguous(), scales.contiguous()), topk_idx,
-                                                       topk_weights, num_experts, group_name, group)
-    recv_q, recv_scale = recv
-    if x_scale.shape[1] == 1:
-        recv_scale = recv_scale[:, :1].contiguous()
-    return recv_q, recv_scale, recv_idx, recv_w, counts, handle
+    def fake_handle(self, x: torch.Tensor, num_recv, group_size: int) -> list[torch.Tensor]:
+        """Internode also has R_rdma, a size of its own."""
+        channels = deep_ep_module().Buffer.num_sms // 2
+        n, w = x.shape[0], group_size
+        int32 = dict(dtype=torch.int32)
+        if not is_internode(group_size):
+            return [x.new_empty((w, w), **int32), x.new_empty((w, channels), **int32),
+                    x.new_empty((w, channels), **int32), x.new_empty((num_recv,), **int32),
+                    x.new_empty((n, w), dtype=torch.bool), x.new_empty((n, w), **int32)]
+        nodes = w // NVL_PEERS
+        num_rdma_recv = torch.library.get_ctx().new_dynamic_size()
+        return [x.new_empty((n, w), dtype=torch.bool), x.new_empty((nodes, channels), **int32),
+                x.new_empty((w, channels), **int32), x.new_empty((nodes, channels), **int32),
+                x.new_empty((nodes,), **int32), x.new_empty((w, channels), **int32), x.new_empty((w,), **int32),
+                x.new_empty((num_recv, 8), dtype=torch.uint8), x.new_empty((n, nodes), **int32),
+                x.new_empty((num_rdma_recv, NVL_PEERS), **int32)]
 
+    def check_rows(self, x: torch.Tensor, group_size: int, num_topk: int) -> None:
+        check_tokens(x, "dispatch", group_size, num_topk)
 
-def deepep_combine(y, handle, group_name: str, group):
-    check_tokens(y, "combine", group.size())
-    combined, _, _ = _buffer(group_name, group, _hidden_bytes(y)).combine(y.contiguous(), tuple(handle))
-    return combined
+    def check_fp8_scales(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> None:
+        reason = fp8_scales_unsupported_reason(x_q.shape[1], x_scale.shape[1], x_scale.dtype)
+        if reason is not None:
+            raise ValueError(f"ep_dispatch_quantized on DeepEP: {reason}; use moepass::ep_dispatch")
 
+    def check_fp8_rows(self, x_q: torch.Tensor, x_scale: torch.Tensor, group_size: int, num_topk: int) -> None:
+        check_fp8_tokens(x_q, x_scale, group_size, num_topk)
 
-def deepep_dispatch_cached(x, handle, group_name: str, group):
-    check_tokens(x, "dispatch", group.size())
-    recv_x, *_ = _buffer(group_name, group, _hidden_bytes(x)).dispatch(x.contiguous(), handle=tuple(handle))
-    return recv_x
+    def dispatch(self, x, topk_idx, topk_weights, num_experts: int, group_name: str, group):
+        check_tokens(x, "dispatch", group.size(), topk_idx.shape[1])
+        return _dispatch(x.contiguous(), topk_idx, topk_weights, num_experts, group_name, group)
 
+    def dispatch_fp8(self, x_q, x_scale, topk_idx, topk_weights, num_experts: int, group_name: str, group):
+        """FP8 rows and their scales through DeepEP's FP8 dispatch. One scale a row travels repeated per 128 columns
+        (exact) and comes back as one."""
+        check_fp8_tokens(x_q, x_scale, group.size(), topk_idx.shape[1])
+        blocks = x_q.shape[1] // FP8_SCALE_BLOCK
+        scales = x_scale.expand(-1, blocks) if x_scale.shape[1] == 1 else x_scale
+        recv, recv_idx, recv_w, counts, handle = _dispatch((x_q.contiguous(), scales.contiguous()), topk_idx,
+                                                           topk_weights, num_experts, group_name, group)
+        recv_q, recv_scale = recv
+        if x_scale.shape[1] == 1:
+            recv_scale = recv_scale[:, :1].contiguous()
+        return recv_q, recv_scale, recv_idx, recv_w, counts, handle
 
-def deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name: str, group):
-    check_tokens(grad_recv_x, "combine", group.size(), grad_recv_topk_weights.shape[1])
-    buffer = _buffer(group_name, group, _hidden_bytes(grad_recv_x))
-    grad_x, grad_topk_weights, _ = buffer.combine(
-        grad_recv_x.contiguous(), tuple(handle), topk_weights=grad_recv_topk_weights.contiguous()
-    )
-    return grad_x, grad_topk_weights
+    def combine(self, y, handle, group_name: str, group):
+        check_tokens(y, "combine", group.size())
+        combined, _, _ = _buffer(group_name, group, _hidden_bytes(y)).combine(y.contiguous(), tuple(handle))
+        return combined
 
+    def dispatch_cached(self, x, handle, group_name: str, group):
+        check_tokens(x, "dispatch", group.size())
+        recv_x, *_ = _buffer(group_name, group, _hidden_bytes(x)).dispatch(x.contiguous(), handle=tuple(handle))
+        return recv_x
 
-def deepep_fake_handle(x: torch.Tensor, num_recv, group_size: int) -> list[torch.Tensor]:
-    """The handle's tensors, sized for tracing: N from x, R = num_recv; internode also R_rdma, a size of its own."""
-    channels = deep_ep_module().Buffer.num_sms // 2
-    n, w = x.shape[0], group_size
-    int32 = dict(dtype=torch.int32)
-    if not is_internode(group_size):
-        return [x.new_empty((w, w), **int32), x.new_empty((w, channels), **int32), x.new_empty((w, channels), **int32),
-                x.new_empty((num_recv,), **int32), x.new_empty((n, w), dtype=torch.bool),
-                x.new_empty((n, w), **int32)]
-    nodes = w // NVL_PEERS
-    num_rdma_recv = torch.library.get_ctx().new_dynamic_size()
-    return [x.new_empty((n, w), dtype=torch.bool), x.new_empty((nodes, channels), **int32),
-            x.new_empty((w, channels), **int32), x.new_empty((nodes, channels), **int32),
-            x.new_empty((nodes,), **int32), x.new_empty((w, channels), **int32), x.new_empty((w,), **int32),
-            x.new_empty((num_recv, 8), dtype=torch.uint8), x.new_empty((n, nodes), **int32),
-            x.new_empty((num_rdma_recv, NVL_PEERS), **int32)]
+    def dispatch_backward(self, grad_recv_x, grad_recv_topk_weights, handle, group_name: str, group):
+        check_tokens(grad_recv_x, "combine", group.size(), grad_recv_topk_weights.shape[1])
+        buffer = _buffer(group_name, group, _hidden_bytes(grad_recv_x))
+        grad_x, grad_topk_weights, _ = buffer.combine(
+            grad_recv_x.contiguous(), tuple(handle), topk_weights=grad_recv_topk_weights.contiguous()
+        )
+        return grad_x, grad_topk_weights
 
 
 def check_tokens(x: torch.Tensor, what: str, group_size: int = 2, num_topk: int = 0) -> None:

@@ -1,8 +1,9 @@
 """Custom ops ``moepass::ep_dispatch`` / ``moepass::ep_combine``: expert-parallel token exchange.
 
-Semantics are DeepEP V1 normal mode. Two implementations sit behind one schema and are picked by the
-``backend`` string the pass bakes into the graph: "deepep" (``deep_ep.Buffer``, CUDA: NVLink within a node, RDMA
-across nodes) or "reference" (torch.distributed all_to_all_single; gloo or NCCL). The process group travels as its name,
+Semantics are DeepEP V1 normal mode. Two implementations (backend.EPBackend) sit behind one schema, named by the
+``backend`` string the pass bakes into the graph: "deepep" (deepep.DeepEP: ``deep_ep.Buffer``, CUDA: NVLink within a
+node, RDMA across nodes) or "reference" (reference.ReferenceEP: torch.distributed all_to_all_single; gloo or NCCL);
+each op body looks the object up by that name (ep_backend). The process group travels as its name,
 as in ``_c10d_functional``. Receive sizes are data dependent: the fake kernels return them as unbacked
 SymInts, and every later size is read off the handle's tensors, so one graph covers forward and backward.
 
@@ -31,16 +32,16 @@ from moepass.op_registry import register_exchange
 
 from ..fresh_outputs import fresh_outputs
 from . import deepep, reference
+from .backend import EPBackend
 
-EP_BACKENDS = ("reference", "deepep")
+EP_BACKENDS: dict[str, EPBackend] = {ep.name: ep for ep in (reference.ReferenceEP(), deepep.DeepEP())}
 
 
-def _size_carriers(backend: str, group_size: int) -> tuple[int, int]:
-    """Where a handle keeps a tensor of N rows (tokens sent) and one of R rows (rows received): the fakes read N and
-    R there. DeepEP's handle differs within a node and across nodes."""
-    if backend == "deepep":
-        return deepep.handle_size_carriers(group_size)
-    return reference.HANDLE_IS_TOKEN_IN_RANK, reference.HANDLE_RECV_SRC_IDX
+def ep_backend(name: str) -> EPBackend:
+    """The implementation an op's `backend` argument names."""
+    if name not in EP_BACKENDS:
+        raise ValueError(f"EP backend must be one of {tuple(EP_BACKENDS)}; got {name!r}")
+    return EP_BACKENDS[name]
 
 
 def choose_ep_backend(
@@ -80,13 +81,7 @@ def _group(group_name: str, group_size: int):
     return group
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in EP_BACKENDS:
-        raise ValueError(f"EP backend must be one of {EP_BACKENDS}; got {backend!r}")
-
-
-def _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend) -> None:
-    _check_backend(backend)
+def _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size) -> None:
     if x.dim() != 2 or topk_idx.dim() != 2:
         raise ValueError(
             f"ep_dispatch takes x [N, H] and topk_idx [N, K]; got {tuple(x.shape)} and {tuple(topk_idx.shape)}"
@@ -103,29 +98,25 @@ def _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, bac
 def ep_dispatch(
     x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, group_size: int, group_name: str, backend: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
-    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
-    group = _group(group_name, group_size)
-    if backend == "deepep":
-        sent = deepep.deepep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, group)
-    else:
-        sent = reference.reference_dispatch(x, topk_idx, topk_weights, num_experts, group)
+    ep = ep_backend(backend)
+    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size)
+    sent = ep.dispatch(x, topk_idx, topk_weights, num_experts, group_name, _group(group_name, group_size))
     return fresh_outputs(sent, (x, topk_idx, topk_weights))
 
 
 @ep_dispatch.register_fake
 def _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size, group_name, backend):
-    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
-    if backend == "deepep":
-        deepep.check_tokens(x, "dispatch", group_size, topk_idx.shape[1])  # fail at compile time, not in a kernel
+    ep = ep_backend(backend)
+    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size)
+    ep.check_rows(x, group_size, topk_idx.shape[1])  # fail at compile time, not in a kernel
     num_recv = torch.library.get_ctx().new_dynamic_size()
     num_topk = topk_idx.shape[1]
-    fake_handle = deepep.deepep_fake_handle if backend == "deepep" else reference.reference_fake_handle
     return (
         x.new_empty((num_recv, x.shape[1])),
         topk_idx.new_empty((num_recv, num_topk)),
         topk_weights.new_empty((num_recv, num_topk)),
         topk_idx.new_empty((num_experts // group_size,)),
-        fake_handle(x, num_recv, group_size),
+        ep.fake_handle(x, num_recv, group_size),
     )
 
 
@@ -139,29 +130,18 @@ def ep_dispatch_quantized(
     Returns (recv_x, recv_x_q, recv_x_scale, recv_topk_idx, recv_topk_weights, counts, handle). recv_x is the received
     rows' gradient carrier and holds no data: every reader of it reads (recv_x_q, recv_x_scale) instead
     (moepass::<recipe>_grouped_mm_rows with FP8 rows saved), and its gradient goes back in BF16 as ep_dispatch's."""
-    _check_quantized_payload(x, x_q, x_scale, backend)
-    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size, backend)
-    group = _group(group_name, group_size)
-    if backend == "deepep":
-        recv_q, recv_scale, recv_idx, recv_w, counts, handle = deepep.deepep_dispatch_fp8(
-            x_q, x_scale, topk_idx, topk_weights, num_experts, group_name, group)
-        return fresh_outputs((x.new_empty((recv_q.shape[0], x.shape[1])), recv_q, recv_scale, recv_idx, recv_w,
-                              counts, handle), (x, x_q, x_scale, topk_idx, topk_weights))
-    # gloo and NCCL move float8 as bytes
-    recv_q, recv_idx, recv_w, counts, handle = reference.reference_dispatch(
-        x_q.view(torch.uint8), topk_idx, topk_weights, num_experts, group)
-    recv_scale = reference.reference_dispatch_cached(x_scale, handle, group)
+    ep = ep_backend(backend)
+    _check_quantized_payload(x, x_q, x_scale, ep)
+    _check_dispatch_args(x, topk_idx, topk_weights, num_experts, group_size)
+    recv_q, recv_scale, recv_idx, recv_w, counts, handle = ep.dispatch_fp8(
+        x_q, x_scale, topk_idx, topk_weights, num_experts, group_name, _group(group_name, group_size))
     recv_x = x.new_empty((recv_q.shape[0], x.shape[1]))
-    return fresh_outputs((recv_x, recv_q.view(x_q.dtype), recv_scale, recv_idx, recv_w, counts, handle),
+    return fresh_outputs((recv_x, recv_q, recv_scale, recv_idx, recv_w, counts, handle),
                          (x, x_q, x_scale, topk_idx, topk_weights))
 
 
-def _check_quantized_payload(x, x_q, x_scale, backend) -> None:
-    _check_backend(backend)
-    if backend == "deepep":
-        reason = deepep.fp8_scales_unsupported_reason(x_q.shape[1], x_scale.shape[1], x_scale.dtype)
-        if reason is not None:
-            raise ValueError(f"ep_dispatch_quantized on DeepEP: {reason}; use moepass::ep_dispatch")
+def _check_quantized_payload(x, x_q, x_scale, ep: EPBackend) -> None:
+    ep.check_fp8_scales(x_q, x_scale)
     if tuple(x_q.shape) != tuple(x.shape) or x_q.element_size() != 1:
         raise ValueError(f"ep_dispatch_quantized: x_q must be 1-byte rows shaped like x {tuple(x.shape)}; got "
                          f"{x_q.dtype} {tuple(x_q.shape)}")
@@ -173,9 +153,9 @@ def _check_quantized_payload(x, x_q, x_scale, backend) -> None:
 @ep_dispatch_quantized.register_fake
 def _ep_dispatch_quantized_fake(x, x_q, x_scale, topk_idx, topk_weights, num_experts, group_size, group_name,
                                 backend):
-    _check_quantized_payload(x, x_q, x_scale, backend)
-    if backend == "deepep":
-        deepep.check_fp8_tokens(x_q, x_scale, group_size, topk_idx.shape[1])  # fail at compile time, not in a kernel
+    ep = ep_backend(backend)
+    _check_quantized_payload(x, x_q, x_scale, ep)
+    ep.check_fp8_rows(x_q, x_scale, group_size, topk_idx.shape[1])  # fail at compile time, not in a kernel
     recv_x, recv_idx, recv_w, counts, handle = _ep_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_size,
                                                                  group_name, backend)
     num_recv = recv_x.shape[0]
@@ -185,37 +165,25 @@ def _ep_dispatch_quantized_fake(x, x_q, x_scale, topk_idx, topk_weights, num_exp
 
 @torch.library.custom_op("moepass::ep_combine", mutates_args=())
 def ep_combine(y: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str) -> Tensor:
-    _check_backend(backend)
-    group = _group(group_name, group_size)
-    if backend == "deepep":
-        combined = deepep.deepep_combine(y, handle, group_name, group)
-    else:
-        combined = reference.reference_combine(y, handle, group)
+    combined = ep_backend(backend).combine(y, handle, group_name, _group(group_name, group_size))
     return fresh_outputs(combined, (y, handle))
 
 
 @ep_combine.register_fake
 def _ep_combine_fake(y, handle, group_size, group_name, backend):
-    _check_backend(backend)
-    num_tokens = handle[_size_carriers(backend, group_size)[0]].shape[0]
+    num_tokens = handle[ep_backend(backend).size_carriers(group_size)[0]].shape[0]
     return y.new_empty((num_tokens, y.shape[1]))
 
 
 @torch.library.custom_op("moepass::ep_dispatch_cached", mutates_args=())
 def ep_dispatch_cached(x: Tensor, handle: list[Tensor], group_size: int, group_name: str, backend: str) -> Tensor:
-    _check_backend(backend)
-    group = _group(group_name, group_size)
-    if backend == "deepep":
-        sent = deepep.deepep_dispatch_cached(x, handle, group_name, group)
-    else:
-        sent = reference.reference_dispatch_cached(x, handle, group)
+    sent = ep_backend(backend).dispatch_cached(x, handle, group_name, _group(group_name, group_size))
     return fresh_outputs(sent, (x, handle))
 
 
 @ep_dispatch_cached.register_fake
 def _ep_dispatch_cached_fake(x, handle, group_size, group_name, backend):
-    _check_backend(backend)
-    num_recv = handle[_size_carriers(backend, group_size)[1]].shape[0]
+    num_recv = handle[ep_backend(backend).size_carriers(group_size)[1]].shape[0]
     return x.new_empty((num_recv, x.shape[1]))
 
 
@@ -228,20 +196,14 @@ def ep_dispatch_backward(
     group_name: str,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    _check_backend(backend)
-    group = _group(group_name, group_size)
-    if backend == "deepep":
-        grads = deepep.deepep_dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name, group)
-    else:
-        grads = (reference.reference_combine(grad_recv_x, handle, group),
-                 reference.reference_combine(grad_recv_topk_weights, handle, group))
+    grads = ep_backend(backend).dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle, group_name,
+                                                  _group(group_name, group_size))
     return fresh_outputs(grads, (grad_recv_x, grad_recv_topk_weights, handle))
 
 
 @ep_dispatch_backward.register_fake
 def _ep_dispatch_backward_fake(grad_recv_x, grad_recv_topk_weights, handle, group_size, group_name, backend):
-    _check_backend(backend)
-    num_tokens = handle[_size_carriers(backend, group_size)[0]].shape[0]
+    num_tokens = handle[ep_backend(backend).size_carriers(group_size)[0]].shape[0]
     return (
         grad_recv_x.new_empty((num_tokens, grad_recv_x.shape[1])),
         grad_recv_topk_weights.new_empty((num_tokens, grad_recv_topk_weights.shape[1])),

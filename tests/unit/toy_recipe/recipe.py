@@ -2,7 +2,8 @@
 
 Its options (bf16_roundtrip.kernel, .wgrad_bf16, .accumulate) come from its Options; `accumulate` reaches every op as
 its own argument (op_settings). Importing this module registers moepass::bf16_roundtrip_linear, _grouped_mm and their
-_dgrad / _wgrad; moepass.recipes.registry.register(BF16_ROUNDTRIP) makes the `recipe` option offer it.
+_dgrad / _wgrad from the GEMMs of linear.py and grouped_mm.py; moepass.recipes.registry.register(BF16_ROUNDTRIP) makes
+the `recipe` option offer it (a recipe from outside moepass joins with that one call: the test makes it).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from typing import Literal
 
 from moepass.ops.lowp.grouped_mm import define_grouped_mm_ops
 from moepass.ops.lowp.linear import define_linear_ops
-from moepass.ops.lowp.op_recipe import RecipeGemms
 from moepass.option_types import option
 from moepass.recipes.base import Recipe
 
-from . import gemms
+from . import decomp, grouped_mm, linear
+from .kernels import choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +38,12 @@ class RoundtripRecipe(Recipe):
         return (self.read(config).accumulate,)
 
     def choose_kernel(self, requested, device, kind):
-        return "reference", f"plain torch matmuls ({self.kernel_option}={requested!r})"
+        return choice.choose_kernel(requested, self.kernel_option)
+
+    def decompositions(self, config) -> dict:
+        return decomp.roundtrip_decompositions()
 
 
 BF16_ROUNDTRIP = RoundtripRecipe()
-define_linear_ops(BF16_ROUNDTRIP, RecipeGemms(gemms.linear_forward, gemms.linear_dgrad, gemms.linear_wgrad,
-                                              gemms.check_settings))
-define_grouped_mm_ops(BF16_ROUNDTRIP, RecipeGemms(gemms.grouped_forward, gemms.grouped_dgrad, gemms.grouped_wgrad,
-                                                  gemms.check_settings))
+define_linear_ops(BF16_ROUNDTRIP, linear.GEMMS)
+define_grouped_mm_ops(BF16_ROUNDTRIP, grouped_mm.GEMMS)

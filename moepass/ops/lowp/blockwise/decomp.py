@@ -1,14 +1,15 @@
 """The blockwise ops' "scaled_mm" and "triton" kernels handed to Inductor as plain torch around opaque GEMM ops.
 
-Inside the opaque moepass::blockwise_* ops the 1x128 / 128x128 quantization ran as eager torch, one kernel per
-reshape, amax, divide, clamp and cast (several times the GEMMs' time: docs/recipes.md has the figures). Decomposed by AOTAutograd, each op becomes the code its own body runs for kernel "scaled_mm" (linear.py,
-grouped_mm.py: quant.quantize_tiles / quantize_blocks on the operands as the GEMM reads them, the wgrad's token
-padding included, then gemm.mm_nt / grouped_mm_nt), which Inductor fuses into a reduction kernel per operand (into
-the operand's producer where it can), leaving moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (kernel
-"triton": blockwise_triton_grouped_mm) opaque:
-they take quantized operands and scales and run torch._scaled_mm (gemm.py keeps the scale layouts and the K / row
-padding cuBLASLt needs). They must stay opaque: Inductor's _scaled_mm lowering refuses blockwise scales once shapes
-are symbolic. Same code eager and compiled, so the same numbers (scales are amax * fp32(1/448): see quant.py).
+Inside the opaque moepass::blockwise_* ops the 1x128 / 128x128 quantization ran as eager torch, one kernel per reshape,
+amax, divide, clamp and cast (several times the GEMMs' time: docs/recipes.md has the figures). Decomposed by
+AOTAutograd, each op becomes the code its own body runs for kernel "scaled_mm" (linear.py, grouped_mm.py:
+quant.quantize_tiles / quantize_blocks on the operands as the GEMM reads them, the wgrad's token padding included, then
+kernels/gemm.py's mm_nt / grouped_mm_nt), which Inductor fuses into a reduction kernel per operand (into the operand's
+producer where it can), leaving moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (kernel "triton":
+blockwise_triton_grouped_mm) opaque: they take quantized operands and scales and run torch._scaled_mm (kernels/gemm.py
+keeps the scale layouts and the K / row padding cuBLASLt needs). They must stay opaque: Inductor's _scaled_mm lowering
+refuses blockwise scales once shapes are symbolic. Same code eager and compiled, so the same numbers (scales are amax *
+fp32(1/448): see quant.py).
 
 Kernels "emulated" and "deepgemm" are not decomposed (the reference stays one op; DeepGEMM brings its own Triton
 quantizers). Zero tokens need no care here: every amax runs over a whole 128-wide tile, never over the tokens.

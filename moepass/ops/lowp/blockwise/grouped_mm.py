@@ -6,11 +6,11 @@ forward  x in 1x128 tiles along K (per row: no group crosses a tile), each exper
 dgrad    grad_out in 1x128 tiles along N, each expert's weight in the same blocks, read transposed
 wgrad    grad_out and x in 1x128 tiles along tokens, each group zero-padded to a multiple of 128 rows first
          (token_group_padding with block 128), so no tile straddles two groups
-Kernels: "deepgemm" (deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm", "triton" and "emulated":
-the quantization here in plain torch (no host sync), then gemm.grouped_mm_nt: for "scaled_mm" the opaque
-moepass::blockwise_scaled_grouped_mm, one GEMM per token group (group bounds read on the host: one sync per op), for
-"triton" the opaque moepass::blockwise_triton_grouped_mm (one launch, no sync); the moepass backend decomposes these
-ops into this code (decomp.py) so that Inductor fuses the quantization. Rows at or after
+Kernels: "deepgemm" (kernels/deepgemm.py: DeepGEMM's grouped kernels through torchao); "scaled_mm", "triton" and
+"emulated": the quantization here in plain torch (no host sync), then kernels/gemm.py's grouped_mm_nt: for
+"scaled_mm" the opaque moepass::blockwise_scaled_grouped_mm, one GEMM per token group (group bounds read on the host:
+one sync per op), for "triton" the opaque moepass::blockwise_triton_grouped_mm (one launch, no sync); the moepass
+backend decomposes these ops into this code (decomp.py) so that Inductor fuses the quantization. Rows at or after
 offs[-1] belong to no group: their outputs and input gradients are zero.
 """
 
@@ -22,9 +22,10 @@ from torch import Tensor
 from ..grouped_mm_rows import RowGemms
 from ..op_recipe import RecipeGemms
 from ..token_group_padding import pad_token_groups, plan_token_group_padding
-from . import deepgemm, quant
-from .gemm import grouped_mm_nt
-from .kernels import check_settings
+from . import quant
+from .kernels import deepgemm
+from .kernels.choice import check_settings
+from .kernels.gemm import grouped_mm_nt
 
 
 def forward(x: Tensor, w_t: Tensor, offs: Tensor, kernel: str) -> Tensor:

@@ -5,7 +5,7 @@ forward  y = x @ W.T (+ b):       x in 1x128 tiles along K, W in 128x128 blocks
 dgrad    grad_x = grad_out @ W:   grad_out in 1x128 tiles along N, W in the same 128x128 blocks, read transposed
 wgrad    grad_W = grad_out.T @ x: both in 1x128 tiles along tokens (128x1 down the token dim), tokens zero-padded
                                   to a multiple of 128 (zero rows add nothing)
-Each is the quantization here in plain torch, then gemm.mm_nt (A @ B.T, both K-major) on kernel "scaled_mm"
+Each is the quantization here in plain torch, then kernels/gemm.py's mm_nt (A @ B.T, both K-major) on kernel "scaled_mm"
 (torch._scaled_mm, sm_90, inside the opaque moepass::blockwise_scaled_mm) or "emulated". The moepass backend decomposes
 the "scaled_mm" ops into this same code (decomp.py), so Inductor fuses the quantization and only the GEMM stays opaque.
 """
@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ..op_recipe import RecipeGemms
 from . import quant
-from .gemm import mm_nt
-from .kernels import check_settings
+from .kernels.choice import check_settings
+from .kernels.gemm import mm_nt
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], kernel: str) -> Tensor:

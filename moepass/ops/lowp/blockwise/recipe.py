@@ -6,15 +6,15 @@ round theirs). A weight's 128x128 block serves the forward (x @ W.T, W read alon
 read along N) alike; the wgrad's operands are tiled along tokens (128x1 tiles down the token dim), tokens padded with
 zero rows to a multiple of 128, each expert's token group on its own (tiles never straddle groups).
 
-Kernels (ops/lowp/blockwise/kernels.py chooses per device and GEMM kind): torch._scaled_mm with blockwise scales on
-sm_90; grouped GEMMs one torch._scaled_mm per token group there, else moepass's Triton grouped kernels (self-checked
-once; slower than the per-group loop where both run, as measured), or DeepGEMM (torchao 0.18's blockwise grouped op)
-on request only (measured mostly slower than BF16 op by op, and failing in a 671B-dims step); "emulated" (the numerics
+Kernels (ops/lowp/blockwise/kernels/choice.py chooses per device and GEMM kind): torch._scaled_mm with blockwise scales
+on sm_90; grouped GEMMs one torch._scaled_mm per token group there, else moepass's Triton grouped kernels (self-checked
+once; slower than the per-group loop where both run, as measured), or DeepGEMM (torchao 0.18's blockwise grouped op) on
+request only (measured mostly slower than BF16 op by op, and failing in a 671B-dims step); "emulated" (the numerics
 reference: dequantize, fp32 GEMM) on CPU; no kernel elsewhere (the GEMM stays BF16 with the reason). Opt-in
 (`recipe="blockwise"`): recipe="auto" never picks it until measured. Its ops: moepass/ops/lowp/blockwise/. Kernel
-"scaled_mm" ops are decomposed for Inductor into their quantization in plain torch (fused by Inductor) around the
-opaque GEMM ops moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (ops/lowp/blockwise/decomp.py); the
-compiled-graph audit records those as moepass ops.
+"scaled_mm" ops are decomposed for Inductor into their quantization in plain torch (fused by Inductor) around the opaque
+GEMM ops moepass::blockwise_scaled_mm and blockwise_scaled_grouped_mm (ops/lowp/blockwise/decomp.py); the compiled-graph
+audit records those as moepass ops.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from moepass.recipes.registry import register
 from ..grouped_mm import define_grouped_mm_ops
 from ..grouped_mm_rows import define_grouped_mm_rows_ops, rows_decompositions
 from ..linear import define_linear_ops
-from . import decomp, grouped_mm, kernels, linear, quant  # modules, read at each call: tests patch their functions
+from . import decomp, grouped_mm, linear, quant  # modules, read at each call: tests patch their functions
+from .kernels import choice  # read at each call: tests patch its functions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +51,16 @@ class BlockwiseRecipe(Recipe):
     multiple_why = "blockwise FP8 scales 1x128 tiles and 128x128 weight blocks"
 
     def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str | None, str]:
-        if requested not in ("auto", *kernels.KERNELS):
-            raise OptionsError(f"moepass: blockwise.kernel={requested!r} is not one of {['auto', *kernels.KERNELS]}")
+        if requested not in ("auto", *choice.KERNELS):
+            raise OptionsError(f"moepass: blockwise.kernel={requested!r} is not one of {['auto', *choice.KERNELS]}")
         grouped = kind == "grouped"
         if requested == "auto":
-            return kernels.choose_blockwise_kernel(device, grouped)
+            return choice.choose_blockwise_kernel(device, grouped)
         if requested == "emulated":
             return "emulated", "blockwise.kernel='emulated' requested (dequantized operands, fp32 GEMM)"
         # DeepGEMM and the Triton kernels: grouped GEMMs only, linears on torch._scaled_mm
         kernel = "scaled_mm" if requested in ("deepgemm", "triton") and not grouped else requested
-        problem = kernels.kernel_problem(kernel, torch.device(device), grouped)
+        problem = choice.kernel_problem(kernel, torch.device(device), grouped)
         if problem:
             raise OptionsError(f"moepass: blockwise.kernel={requested!r} requested but {problem}. "
                                "Use blockwise.kernel='auto' or 'emulated' on this device.")

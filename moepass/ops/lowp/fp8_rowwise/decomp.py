@@ -5,7 +5,7 @@ per shape. Decomposed by AOTAutograd, Inductor sees amax -> power-of-two scale -
 ops: one fused reduction kernel per operand, which can also absorb the operand's producer (RMSNorm,
 SiLU * up) and a transposed write, while torch._scaled_mm / _scaled_grouped_mm stay the GEMMs.
 Same numbers as the ops: quant.quantize (power-of-two scales), the same layouts, scale
-shapes, padding and GEMM primitives (scaled_gemms, FAST_ACCUM included). The linear ops run these same
+shapes, padding and GEMM primitives (kernels/scaled_gemms.py, FAST_ACCUM included). The linear ops run these same
 functions eagerly for "scaled_mm".
 
 Column-major operands are quantized as `t.t()` along its last dim into a row-major buffer, then viewed
@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..inductor_fallbacks import register_fallbacks
 from . import quant
-from .scaled_gemms import scaled_grouped_mm, scaled_mm, zero_rows_after_last_group
+from .kernels.scaled_gemms import scaled_grouped_mm, scaled_mm, zero_rows_after_last_group
 
 
 # ---- operands in the layouts the FP8 GEMMs read --------------------------------------------------
@@ -225,7 +225,7 @@ def fp8_rowwise_decompositions(expert_weights_once: bool = False, linear_both_la
     """{OpOverload: decomposition} for compile_fx(..., decompositions=...), merged over Inductor's own table.
 
     expert_weights_once, linear_both_layouts, linear_weights_once: the options fp8_rowwise.* of those names
-    (moepass/ops/lowp/fp8_rowwise/both_layouts.py).
+    (moepass/ops/lowp/fp8_rowwise/kernels/both_layouts.py).
     """
     ops = torch.ops.moepass
     both = LINEAR_BOTH_LAYOUTS[linear_both_layouts]

@@ -5,7 +5,7 @@ Forward: x per row, each expert's weight per output channel (along K); dgrad: gr
 expert's weight per input channel (along N); wgrad: grad_out and x per (token group, column). GEMMs:
 torch._scaled_grouped_mm on sm_90 (kernel "scaled_mm"), or exact dequantization and torch._grouped_mm
 in BF16 (kernel "emulated", the same numerics). Token groups need no alignment: the 2d-3d GEMMs take any
-group sizes, and the wgrad's operands are quantized straight into 16-aligned groups (token_groups).
+group sizes, and the wgrad's operands are quantized straight into 16-aligned groups (kernels/token_group_cols.py).
 Rows at or after offs[-1] belong to no group: their outputs and input gradients are zero.
 """
 
@@ -20,14 +20,14 @@ from ..grouped_wgrad_bf16 import as_transposed_layout
 from ..op_recipe import RecipeGemms
 from . import quant
 from .decomp import grouped_mm_wgrad, grouped_mm_wgrad_on_rows
-from .kernels import check_settings
-from .scaled_gemms import scaled_grouped_mm, zero_rows_after_last_group
+from .kernels.choice import check_settings
+from .kernels.scaled_gemms import scaled_grouped_mm, zero_rows_after_last_group
 
 
 def _zero_rows_after_last_group(out: Tensor, offs: Tensor, kernel: str) -> Tensor:
     if kernel == "emulated":
         return zero_rows_after_last_group(out, offs)
-    from .triton_kernels import zero_rows_from_group_end_
+    from .kernels.triton_zero_rows import zero_rows_from_group_end_
 
     return zero_rows_from_group_end_(out, offs)
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..op_recipe import RecipeGemms
 from . import decomp, quant
-from .kernels import check_settings
+from .kernels.choice import check_settings
 
 
 def _emulated_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ with round_scales_to_power_of_2=True, written once here in plain torch (kernel "
 eager "scaled_mm" path), which also lay the data out as the FP8 GEMMs read it.
 Power-of-two scales make dequantization exact: the emulated BF16 GEMM sees the tensor cores' operands.
 
-Every function returns (q, scale) with q of the input's logical shape and scale keeping the reduced dim.
+Every function returns (q, scale) with q of the input's logical shape and scale keeping the reduced dim, but
+token_group_cols_padded, the reference of the wgrad's padded layout (kernels/token_group_cols.py).
 """
 
 from __future__ import annotations
@@ -97,3 +98,25 @@ def token_group_cols(t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
 def dequantize_token_groups(q: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
     """Inverse of token_group_cols (rows past offs[-1] take the last group's scale; no GEMM reads them)."""
     return dequantize(q, scale[_token_group(offs, q.shape[0]).clamp(max=offs.shape[0] - 1)])
+
+
+def padded_token_rows(tokens: int, experts: int) -> int:
+    """Rows of the padded layout: each group grows by at most ALIGN rows (an empty one by exactly ALIGN)."""
+    return (tokens + ALIGN * experts + ALIGN - 1) // ALIGN * ALIGN
+
+
+def token_group_cols_padded(t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference: [M, D] -> (q [D, P] row-major, scale [E, D], padded group ends int32 [E]), token_group_cols laid out
+    as the Triton kernel writes it (kernels/triton_token_group_cols.py): each group from a multiple of 16 columns on,
+    zero-padded to a multiple of 16 (at least 16)."""
+    q, scale = token_group_cols(t, offs)
+    ends = offs.tolist()
+    sizes = [end - begin for begin, end in zip([0, *ends[:-1]], ends)]
+    padded_sizes = [max(-(-size // ALIGN) * ALIGN, ALIGN) for size in sizes]
+    q_t = torch.zeros(t.shape[1], padded_token_rows(t.shape[0], len(ends)), dtype=torch.uint8, device=t.device)
+    begin = padded_begin = 0
+    for size, padded_size in zip(sizes, padded_sizes):
+        q_t[:, padded_begin:padded_begin + size] = q[begin:begin + size].t().view(torch.uint8)
+        begin, padded_begin = begin + size, padded_begin + padded_size
+    padded_ends = torch.tensor(padded_sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(t.device)
+    return q_t.view(E4M3), scale, padded_ends

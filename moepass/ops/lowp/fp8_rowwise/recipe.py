@@ -3,8 +3,8 @@
 torch._scaled_mm (sm_89+) and torch._scaled_grouped_mm (sm_90) on FP8 tensor cores (kernel "scaled_mm"), emulated
 elsewhere with the same numerics. Kernel "scaled_mm" ops are decomposed into plain torch for Inductor, which fuses
 their quantization into the operands' producers; three options change that table. Its GEMMs (linear.py,
-grouped_mm.py) are registered as ops here through the op families; the rest of the folder: moepass/ops/lowp/
-fp8_rowwise/__init__.py.
+grouped_mm.py) are registered as ops here through the op families; the rest of the folder (quant.py, kernels/,
+decomp.py): moepass/ops/lowp/fp8_rowwise/__init__.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from moepass.recipes.registry import register
 from ..grouped_mm import define_grouped_mm_ops
 from ..grouped_mm_rows import define_grouped_mm_rows_ops, rows_decompositions
 from ..linear import define_linear_ops
-from . import both_layouts, token_groups  # noqa: F401  (register the quantization ops its decompositions call)
-from . import decomp, grouped_mm, kernels, linear, quant  # modules, read at each call: tests patch their functions
+from . import decomp, grouped_mm, linear, quant  # modules, read at each call: tests patch their functions
+from .kernels import both_layouts, token_group_cols  # noqa: F401  (register the quantization ops decomp calls)
+from .kernels import choice  # read at each call: tests patch its functions
 
 _AUTO_BOOL = Literal["auto", True, False]
 
@@ -58,10 +59,10 @@ class FP8RowwiseRecipe(Recipe):
                                "'fp8_rowwise.wgrad_bf16'=True turns off; set one of them back to its default")
 
     def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str, str]:
-        if requested not in ("auto", *kernels.KERNELS):
+        if requested not in ("auto", *choice.KERNELS):
             raise OptionsError(f"moepass: fp8_rowwise.kernel={requested!r} is not one of "
-                               f"{['auto', *kernels.KERNELS]}")
-        best, why = kernels.choose_fp8_rowwise_kernel(device, kind == "grouped")
+                               f"{['auto', *choice.KERNELS]}")
+        best, why = choice.choose_fp8_rowwise_kernel(device, kind == "grouped")
         if requested == "auto" or requested == best:
             return best, why
         if requested == "emulated":

@@ -4,10 +4,10 @@ Kernel "emulated" quantizes each operand with torchao's to_mx, dequantizes it (e
 and runs a BF16 GEMM. Inside the opaque op that is eager torch, a dozen elementwise kernels per operand over fp32
 copies, the expert weights quantized again in every forward and dgrad: several times BF16's step, which priced
 MXFP8's numerics over seeds out of a device job (examples/results/numerics_seeds_16B_l2_h200/).
-Decomposed by AOTAutograd, each op becomes the code its own body runs (gemms.py: dequantized_rows around torch.mm;
-torchao's emulated grouped path around torch._grouped_mm, our token-group padding included), and Inductor fuses
-each operand's quantize-dequantize into one kernel (into its producer where it can). Same code eager and compiled,
-so the same bits (tests/gpu/test_mxfp8_ops_gpu.py checks the backend against the eager ops).
+Decomposed by AOTAutograd, each op becomes the code its own body runs (linear.py: quant.dequantized_rows around
+torch.mm; grouped_mm.py: torchao's emulated grouped path around torch._grouped_mm, our token-group padding included),
+and Inductor fuses each operand's quantize-dequantize into one kernel (into its producer where it can). Same code eager
+and compiled, so the same bits (tests/gpu/test_mxfp8_ops_gpu.py checks the backend against the eager ops).
 
 Only on CUDA tensors: on CPU (the test suite's device) the decomposition declines and the op stays one opaque call,
 since Inductor's C++ for the fused quantization costs more compile time than the eager op costs at CPU sizes. The
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from ..inductor_fallbacks import gemm_decompositions, register_fallbacks
-from . import gemms
+from . import grouped_mm, linear
 
 FUSED_ON = ("cuda",)  # device types whose emulated ops are decomposed (a test adds "cpu")
 
@@ -34,9 +34,9 @@ def mxfp8_decompositions(recipe) -> dict:
     """{OpOverload: decomposition} of `recipe`'s (MXFP8's) ops for compile_fx(..., decompositions=...), merged over
     Inductor's own table."""
     return gemm_decompositions(recipe, {
-        "linear": gemms.linear_forward, "linear_dgrad": gemms.linear_dgrad, "linear_wgrad": gemms.linear_wgrad,
-        "grouped_mm": gemms.grouped_forward, "grouped_mm_dgrad": gemms.grouped_dgrad,
-        "grouped_mm_wgrad": gemms.grouped_wgrad}, _fused)
+        "linear": linear.forward, "linear_dgrad": linear.dgrad, "linear_wgrad": linear.wgrad,
+        "grouped_mm": grouped_mm.forward, "grouped_mm_dgrad": grouped_mm.dgrad, "grouped_mm_wgrad": grouped_mm.wgrad},
+        _fused)
 
 
 @functools.lru_cache(maxsize=None)

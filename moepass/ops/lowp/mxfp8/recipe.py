@@ -1,8 +1,9 @@
 """MXFP8: e4m3 elements with one E8M0 scale per 32 along each GEMM's reduction dim (torchao's MX formats).
 
 Native kernels on sm_100 (torchao), emulated elsewhere with the same numerics: the reference recipe, the one
-moepass is tested with on CPU. Its folder: gemms.py (the six GEMMs, which this module registers as ops through the op
-families), kernels.py (which implementation runs where), decomp.py (emulated ops on CUDA decomposed for Inductor).
+moepass is tested with on CPU. Its folder: linear.py and grouped_mm.py (the six GEMMs, which this module registers as
+ops through the op families), quant.py (the MX quantization), kernels/choice.py (which implementation runs where),
+decomp.py (emulated ops on CUDA decomposed for Inductor).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from moepass.recipes.registry import register
 
 from ..grouped_mm import define_grouped_mm_ops
 from ..linear import define_linear_ops
-from ..op_recipe import RecipeGemms
-from . import decomp, gemms, kernels  # modules, read at each call: tests patch their functions
+from . import decomp, grouped_mm, linear, quant  # modules, read at each call: tests patch their functions
+from .kernels import choice  # read at each call: tests patch its functions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class MXFP8Options:
 class MXFP8Recipe(Recipe):
     name = "mxfp8"
     Options = MXFP8Options
-    multiple = gemms.BLOCK  # one E8M0 scale per 32 e4m3 elements along K, N (the dgrad's reduction) and tokens
+    multiple = quant.BLOCK  # one E8M0 scale per 32 e4m3 elements along K, N (the dgrad's reduction) and tokens
     multiple_why = "the MXFP8 scale block"
     op_settings = ("str scale_rounding",)
 
@@ -41,7 +42,7 @@ class MXFP8Recipe(Recipe):
         return (self.read(config).scale_rounding,)
 
     def choose_kernel(self, requested: str, device: torch.device | str, kind: str) -> tuple[str, str]:
-        best, why = kernels.choose_mxfp8_kernel(device)
+        best, why = choice.choose_mxfp8_kernel(device)
         if requested == "auto":
             return best, why
         if requested == "emulated":
@@ -59,8 +60,6 @@ class MXFP8Recipe(Recipe):
 
 
 MXFP8 = MXFP8Recipe()
-define_linear_ops(MXFP8, RecipeGemms(gemms.linear_forward, gemms.linear_dgrad, gemms.linear_wgrad,
-                                     kernels.check_settings))
-define_grouped_mm_ops(MXFP8, RecipeGemms(gemms.grouped_forward, gemms.grouped_dgrad, gemms.grouped_wgrad,
-                                         kernels.check_settings))
+define_linear_ops(MXFP8, linear.GEMMS)
+define_grouped_mm_ops(MXFP8, grouped_mm.GEMMS)
 register(MXFP8)

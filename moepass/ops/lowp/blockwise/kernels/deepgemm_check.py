@@ -1,6 +1,6 @@
-"""DeepGEMM's one-time self-check, run as `python -m moepass.ops.lowp.blockwise.deepgemm_check` in a child process
-(kernels.py): the grouped forward, dgrad and wgrad on cuda:0 through DeepGEMM against the emulated ops on the same
-inputs (uneven token groups, an empty one, tokens past the last group). Exit 0 when all match; else the last line
+"""DeepGEMM's one-time self-check, run as `python -m moepass.ops.lowp.blockwise.kernels.deepgemm_check` in a child
+process (choice.py): the grouped forward, dgrad and wgrad on cuda:0 through DeepGEMM against the emulated ops on the
+same inputs (uneven token groups, an empty one, tokens past the last group). Exit 0 when all match; else the last line
 says what failed. A crash (DeepGEMM has segfaulted at its first grouped kernel) ends only this process.
 """
 
@@ -24,8 +24,9 @@ def _inputs(device: str):
 
 
 def main() -> int:
-    from . import deepgemm, grouped_mm
-    from .kernels import first_line, relative_error
+    from .. import grouped_mm
+    from . import deepgemm
+    from .choice import first_line, relative_error
 
     if not torch.cuda.is_available():
         print("no CUDA device in the self-check's process")

@@ -12,7 +12,7 @@ maps its programs onto (group, row tile) from the group ends inside the kernel, 
 after the last end, which it writes as zeros.
 
 Imported only where the kernel runs (CUDA with triton); gemm.blockwise_triton_grouped_mm is the op around it, and
-kernels.py checks it once per device against the emulated GEMM before choosing it.
+choice.py checks it once per device against the emulated GEMM before choosing it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import TILE  # the scales' granularity: one K step of the kernels
+from ..quant import TILE  # the scales' granularity: one K step of the kernels
 BF16 = torch.bfloat16
 
 # BLOCK_N divides 128 (one weight-block scale per K step); 128x128 at most: the promotion keeps the block's product

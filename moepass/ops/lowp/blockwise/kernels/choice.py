@@ -35,7 +35,7 @@ MIN_TORCH = (2, 11)  # blockwise scales through torch._scaled_mm measured on H20
 MIN_CUDA = (12, 9)  # cuBLASLt's 1x128 / 128x128 FP32 block scaling
 PROBE_MAX_REL_ERROR = 1e-2  # same quantized operands: only fp32 accumulation order and bf16 rounding differ
 DEEPGEMM_CHECK_TIMEOUT_S = 600  # DeepGEMM compiles its kernels on first use
-DEEPGEMM_CHECK_MODULE = "moepass.ops.lowp.blockwise.deepgemm_check"
+DEEPGEMM_CHECK_MODULE = "moepass.ops.lowp.blockwise.kernels.deepgemm_check"
 KERNEL_OPTION = "blockwise.kernel"  # the option these reasons name (the recipe's kernel_option)
 
 
@@ -73,7 +73,8 @@ def _scaled_mm_problem_on(index: int) -> str | None:
         return f"torch {torch.__version__}: blockwise scales in torch._scaled_mm need torch >= 2.11"
     if _version(torch.version.cuda) < MIN_CUDA:
         return f"torch built with CUDA {torch.version.cuda}: cuBLASLt's blockwise FP8 scaling needs CUDA >= 12.9"
-    from . import gemm, quant
+    from .. import quant
+    from . import gemm
 
     with _no_modes(), torch.no_grad():
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -107,7 +108,8 @@ def _triton_problem_on(index: int) -> str | None:
     (an empty group, rows after the last group, a group that is not a whole row tile), else why."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    from . import gemm, quant
+    from .. import quant
+    from . import gemm
 
     with _no_modes(), torch.no_grad():
         gen = torch.Generator(device="cpu").manual_seed(0)

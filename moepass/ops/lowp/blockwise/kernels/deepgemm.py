@@ -4,7 +4,7 @@ torchao's _Float8BlockwiseGroupedMM runs forward, dgrad and wgrad in one autogra
 own op, so this module calls the same pieces per GEMM: token groups padded to 128 rows (token_group_padding's layout,
 the one torchao's torch_pad_token_groups writes), torchao's Triton quantizers (scale = amax / 448, as ours), and its
 DeepGEMM backend (M-grouped GEMMs for forward and dgrad, the K-grouped one for the wgrad). DeepGEMM is an optional
-dependency, never vendored; kernels.py uses this path only after deepgemm_check ran it against the emulated ops in a
+dependency, never vendored; choice.py uses this path only after deepgemm_check ran it against the emulated ops in a
 child process. torchao is imported lazily: these are its private modules, pinned to 0.18 by the self-check.
 """
 
@@ -15,9 +15,9 @@ from torch import Tensor
 
 from moepass.torchao_import import torchao_import
 
-from ..formats import E4M3
-from ..token_group_padding import TokenGroupPadding, pad_token_groups, plan_token_group_padding, unpad_token_groups
-from .quant import TILE
+from ...formats import E4M3
+from ...token_group_padding import TokenGroupPadding, pad_token_groups, plan_token_group_padding, unpad_token_groups
+from ..quant import TILE
 
 BF16 = torch.bfloat16
 
@@ -67,14 +67,14 @@ def _bf16(w_t: Tensor) -> Tensor:
 
 def forward(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
     """out = x[g] @ w_t[g] per token group; w_t [E, K, N] read per expert column-major, as torchao's op asserts."""
-    from ..grouped_wgrad_bf16 import as_transposed_layout
+    from ...grouped_wgrad_bf16 import as_transposed_layout
 
     return _m_grouped(x, offs, "quantize_forward_rhs", as_transposed_layout(_bf16(w_t)))
 
 
 def dgrad(grad_out: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
     """grad_x = grad_out[g] @ w_t[g].T per token group."""
-    from ..grouped_wgrad_bf16 import as_transposed_layout
+    from ...grouped_wgrad_bf16 import as_transposed_layout
 
     return _m_grouped(grad_out, offs, "quantize_dgrad_rhs", as_transposed_layout(_bf16(w_t)))
 

@@ -8,7 +8,7 @@ The ops here return both layouts at once. Under the options fp8_rowwise.expert_w
 fp8_rowwise.linear_both_layouts both decompositions (decomp) call one op on the same operand, each
 using its half; AOTAutograd's CSE merges the two calls of the joint graph into one, and where the two GEMMs
 sit in different graphs the partitioner saves the other half (1 byte per element) for the backward.
-On CUDA two Triton kernels read the operand twice in all (triton_kernels.both_layouts: each tile's row and
+On CUDA two Triton kernels read the operand twice in all (triton_both_layouts.both_layouts: each tile's row and
 column amaxes, reduced by torch, then one pass writing both e4m3 layouts), bit for bit equal to the reference;
 elsewhere the reference (decomp.rows / cols).
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..formats import E4M3
-from .decomp import cols, rows
+from ...formats import E4M3
+from ..decomp import cols, rows
 
 
 @torch.library.custom_op("moepass::fp8_rowwise_expert_weights", mutates_args=())
@@ -30,7 +30,7 @@ def fp8_rowwise_expert_weights(w_t: Tensor) -> tuple[Tensor, Tensor, Tensor, Ten
     """
     if w_t.device.type != "cuda":
         return (*cols(w_t), *rows(w_t))
-    from .triton_kernels import both_layouts
+    from .triton_both_layouts import both_layouts
 
     if w_t.transpose(-2, -1).is_contiguous():  # the model's [E, N, K] weight, transposed: rows are the forward's
         q_rows, row_scale, q_cols, col_scale = both_layouts(w_t.transpose(-2, -1))
@@ -55,7 +55,7 @@ def fp8_rowwise_rows_and_cols(t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor
     """
     if t.device.type != "cuda" or t.shape[0] == 0:
         return (*rows(t), *cols(t))
-    from .triton_kernels import both_layouts
+    from .triton_both_layouts import both_layouts
 
     q_rows, row_scale, q_cols_t, col_scale = both_layouts(t.contiguous().unsqueeze(0))
     return q_rows[0], row_scale[0].unsqueeze(-1), q_cols_t[0].t(), col_scale[0].unsqueeze(0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import quant
+from .. import quant
 
 BF16 = torch.bfloat16
 TILE = quant.TILE

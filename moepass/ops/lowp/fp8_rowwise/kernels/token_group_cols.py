@@ -1,13 +1,13 @@
 """moepass::fp8_rowwise_token_group_cols: a grouped wgrad operand, quantized per (token group, column), padded.
 
 The grouped GEMM's wgrad takes grad_out and x each scaled along its token group's tokens, in the padded
-layout torch._scaled_grouped_mm's 2d-2d form needs (triton_kernels.token_group_cols_padded). As a
+layout torch._scaled_grouped_mm's 2d-2d form needs (triton_token_group_cols.token_group_cols_padded). As a
 functional op of its own, not hidden inside the wgrad op, two quantizations of the same tensor become two
 equal graph nodes that AOTAutograd's CSE merges: an MoE's w1 and w3 read the same permuted tokens x, so
 their wgrads share one quantization of x (the largest wgrad operand at DeepSeek-V3 dims, dim 7168).
 With row_scale, t is x's FP8 rows saved by quantize_once and the op reads them as their (exact) dequantization:
 the BF16 rows are never written, and the kernel reads 1 byte per element instead of 2.
-On CUDA the Triton kernel; elsewhere the same layout in plain torch from quant.token_group_cols
+On CUDA the Triton kernel; elsewhere the same layout in plain torch from quant.token_group_cols_padded
 (for CPU tests of the graphs that call it).
 """
 
@@ -18,10 +18,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..formats import E4M3
-from . import quant
-from .quant import ALIGN
-from .triton_kernels import padded_token_rows
+from ...formats import E4M3
+from .. import quant
+from ..quant import padded_token_rows
 
 
 @torch.library.custom_op("moepass::fp8_rowwise_token_group_cols", mutates_args=())
@@ -35,10 +34,10 @@ def fp8_rowwise_token_group_cols(t: Tensor, offs: Tensor, row_scale: Optional[Te
     """
     _check_rows(t, row_scale)
     if t.device.type == "cuda":
-        from .triton_kernels import token_group_cols_padded
+        from .triton_token_group_cols import token_group_cols_padded
 
         return token_group_cols_padded(t, offs, row_scale)
-    return _padded_reference(t if row_scale is None else quant.dequantize(t, row_scale), offs)
+    return quant.token_group_cols_padded(t if row_scale is None else quant.dequantize(t, row_scale), offs)
 
 
 @fp8_rowwise_token_group_cols.register_fake
@@ -58,17 +57,3 @@ def _check_rows(t: Tensor, row_scale: Optional[Tensor]) -> None:
     if row_scale is not None and (row_scale.dtype != torch.float32 or tuple(row_scale.shape) != (t.shape[0], 1)):
         raise ValueError(f"moepass::fp8_rowwise_token_group_cols: row_scale must be float32 [{t.shape[0]}, 1] (one "
                          f"scale per row of t); got {row_scale.dtype} {tuple(row_scale.shape)}")
-
-
-def _padded_reference(t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    q, scale = quant.token_group_cols(t, offs)
-    ends = offs.tolist()
-    sizes = [end - begin for begin, end in zip([0, *ends[:-1]], ends)]
-    padded_sizes = [max(-(-size // ALIGN) * ALIGN, ALIGN) for size in sizes]
-    q_t = torch.zeros(t.shape[1], padded_token_rows(t.shape[0], len(ends)), dtype=torch.uint8, device=t.device)
-    begin = padded_begin = 0
-    for size, padded_size in zip(sizes, padded_sizes):
-        q_t[:, padded_begin:padded_begin + size] = q[begin:begin + size].t().view(torch.uint8)
-        begin, padded_begin = begin + size, padded_begin + padded_size
-    padded_ends = torch.tensor(padded_sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(t.device)
-    return q_t.view(E4M3), scale, padded_ends
