@@ -35,7 +35,6 @@ import itertools
 import json
 import pathlib
 import shlex
-import statistics
 import sys
 import time
 
@@ -48,6 +47,7 @@ from moepass.ops.lowp.fp8_rowwise import decomp
 from moepass.ops.lowp.fp8_rowwise.kernels.scaled_gemms import GROUPED_FAST_ACCUM, LINEAR_FAST_ACCUM
 from moepass.recipes import auto
 from moepass.recipes import auto_table as fp8_auto_table
+from moepass.recipes.measure import median_ms
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
@@ -86,18 +86,8 @@ GROUPED_SWEEP = [(16, tokens_per_expert * 16, d, d) for d in (1024, 2048) for to
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
-    """Median CUDA-event time of fn() over `iters` runs, back to back as in a training step."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    torch.cuda.synchronize()
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    """Median CUDA-event time of fn() over `iters` runs, as recipe="auto" measures on a GPU with no table."""
+    return median_ms(fn, warmup, iters)
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -128,11 +128,12 @@ def verdict(gpu_name: str, device: torch.device, kind: str, k: int, n: int, toke
     return Verdict(entry["speedup"], detail), source
 
 
-def _median_ms(fn) -> float:
-    for _ in range(WARMUP):
+def median_ms(fn, warmup: int = WARMUP, iters: int = ITERS) -> float:
+    """Median CUDA-event time of fn() over `iters` runs after `warmup`, back to back as in a training step."""
+    for _ in range(warmup):
         fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(ITERS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(ITERS)]
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     torch.cuda.synchronize()
     for start, end in zip(starts, ends):
         start.record()
@@ -153,8 +154,8 @@ def measure_linear(device: torch.device, m: int, k: int, n: int) -> tuple[float,
     g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     fp8 = torch.ops.moepass.fp8_rowwise_linear
     with torch.enable_grad():
-        return (_median_ms(_fwd_bwd(lambda: F.linear(x, w), x, w, grad_out=g)),
-                _median_ms(_fwd_bwd(lambda: fp8(x, w, None, False, "scaled_mm"), x, w, grad_out=g)))
+        return (median_ms(_fwd_bwd(lambda: F.linear(x, w), x, w, grad_out=g)),
+                median_ms(_fwd_bwd(lambda: fp8(x, w, None, False, "scaled_mm"), x, w, grad_out=g)))
 
 
 def measure_grouped(device: torch.device, experts: int, tokens_per_expert: int, k: int, n: int) -> tuple[float, float]:
@@ -166,6 +167,6 @@ def measure_grouped(device: torch.device, experts: int, tokens_per_expert: int, 
     g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     fp8 = torch.ops.moepass.fp8_rowwise_grouped_mm
     with torch.enable_grad():
-        return (_median_ms(_fwd_bwd(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), x, w, grad_out=g)),
-                _median_ms(_fwd_bwd(lambda: fp8(x, w.transpose(-2, -1), offs, False, "scaled_mm"), x, w,
+        return (median_ms(_fwd_bwd(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), x, w, grad_out=g)),
+                median_ms(_fwd_bwd(lambda: fp8(x, w.transpose(-2, -1), offs, False, "scaled_mm"), x, w,
                                     grad_out=g)))
