@@ -41,6 +41,27 @@ def dynamo_graphs():
     return capture_dynamo_graphs
 
 
+def _hidden_config_entries() -> set[str]:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    return {f"{module.__name__}.{name}" for module in (dynamo_config, inductor_config)
+            for name, entry in module._config.items() if entry.hide}
+
+
+_HIDDEN_AT_START = _hidden_config_entries()
+
+
+@pytest.fixture(autouse=True)
+def _torch_config_entries_stay_visible():
+    """pytest 9's monkeypatch undoes a torch config entry it set with delattr, which hides the entry from every later
+    compile in the worker ("... does not exist"): fail the test that did it, not the tests after it."""
+    yield
+    hidden = _hidden_config_entries() - _HIDDEN_AT_START
+    assert not hidden, (f"this test hid torch config entries {sorted(hidden)}: set them with "
+                        "torch._inductor.config.patch / torch._dynamo.config.patch, not monkeypatch.setattr")
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     n_gpu = torch.cuda.device_count() if has_cuda else 0

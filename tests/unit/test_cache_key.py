@@ -133,8 +133,10 @@ def test_measured_verdicts_join_the_route_key_only_when_its_pass_runs_after_the_
     def keys() -> tuple[str, str]:
         timing = {}
         for when in ("early", "late"):
-            monkeypatch.setattr(inductor_config, "pre_grad_pass_timing", when)
-            timing[when] = route_pass.uuid()
+            # config.patch, not monkeypatch: pytest 9 undoes a config entry with delattr, hiding it from every later
+            # compile in the worker ("pre_grad_pass_timing does not exist")
+            with inductor_config.patch(pre_grad_pass_timing=when):
+                timing[when] = route_pass.uuid()
         return timing["early"], timing["late"]
 
     early, unmeasured = keys()
