@@ -55,8 +55,11 @@ def tree_hash(roots: list[pathlib.Path]) -> str:
 def source_roots() -> list[pathlib.Path]:
     """The moepass package (engine, analysis, ops) and the passes, installed as moepass.passes: found by path, not
     imported (both sit above inductor_stage/)."""
+    roots = {pathlib.Path(__file__).resolve().parents[1]}
     passes = importlib.util.find_spec("moepass.passes")
-    return sorted({pathlib.Path(__file__).resolve().parents[1], pathlib.Path(passes.origin).resolve().parent})
+    if passes is not None and passes.origin:  # absent only where a source checkout shadows the install (python -m)
+        roots.add(pathlib.Path(passes.origin).resolve().parent)
+    return sorted(roots)
 
 
 @functools.lru_cache(maxsize=1)
