@@ -242,7 +242,9 @@ def _compiled_with_decompositions(fn, sink, expert_weights_once=False, linear_bo
     audit = CompiledGraphAudit(sink, variant=f"{expert_weights_once}-{linear_both_layouts}")
 
     def backend(gm, example_inputs):
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": audit},
+        # caches off: on a cache hit (an earlier run on this machine) Inductor skips its passes, the audit among them
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": audit,
+                                                              "force_disable_caches": True},
                           decompositions=inductor_decompositions(expert_weights_once, linear_both_layouts))
 
     torch._dynamo.reset()
