@@ -101,12 +101,16 @@ def _assert_fp32_weights_read_directly(seen) -> None:
 
 # ---------------------------------------------------------------- the debug DeepSeek-V3, FP32 under autocast
 
+# the debug model cut to one layer, a MoE layer: attention, the shared expert (the dense FFN's class), the router and
+# the routed experts, every GEMM kind of the model; each extra layer only repeats them and lengthens every trace
+MOE_LAYER = {"n_layers": 1, "n_dense_layers": 0}
+
 
 @pytest.fixture(scope="module")
 def bf16_counts():
     torch.manual_seed(0)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
-    _, seen = _rewritten(build_model("debug"), tokens)
+    _, seen = _rewritten(build_model("debug", **MOE_LAYER), tokens)
     return _counts(seen)
 
 
@@ -125,7 +129,7 @@ class InsideAutocast(nn.Module):
 @pytest.mark.parametrize("where", ["inside the compiled function", "around the call"])
 def test_fp32_model_under_bf16_autocast_rewrites_what_the_bf16_model_does(bf16_counts, where):
     torch.manual_seed(0)
-    model = build_model("debug", dtype=torch.float32)
+    model = build_model("debug", **MOE_LAYER, dtype=torch.float32)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
     if where == "around the call":
         out, seen = _rewritten(model, tokens, region=torch.autocast("cpu", dtype=BF16))
@@ -133,7 +137,9 @@ def test_fp32_model_under_bf16_autocast_rewrites_what_the_bf16_model_does(bf16_c
         out, seen = _rewritten(InsideAutocast(model), tokens)
     counts = _counts(seen)
     assert counts == bf16_counts
-    assert counts["linear"][0] == 28 and counts["grouped_mm"][0] == 9 and counts["weights_before_gemm"][0] == 3
+    # attention wq, wkv_a, wkv_b, wo + the shared expert's 3; the routed experts' w1, w3, w2; the routing weights
+    # moved onto w2's input
+    assert counts["linear"][0] == 7 and counts["grouped_mm"][0] == 3 and counts["weights_before_gemm"][0] == 1
     rewritten = [r for _, record in seen for p in record.passes if p.name == "linear" for r in p.rewrites]
     assert all(f"BF16 by torch.autocast('cpu', dtype=torch.bfloat16) entered {where}" in r.detail
                for r in rewritten), rewritten[0].detail
@@ -147,8 +153,8 @@ def test_fp32_model_quantizes_expert_rows_once_before_the_gather_under_autocast(
     torch.manual_seed(0)
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
     options = {"recipe": "fp8_rowwise"}
-    _, bf16 = _rewritten(build_model("debug", n_layers=2), tokens, options=options)
-    _, fp32 = _rewritten(build_model("debug", n_layers=2, dtype=torch.float32), tokens, options=options,
+    _, bf16 = _rewritten(build_model("debug", **MOE_LAYER), tokens, options=options)
+    _, fp32 = _rewritten(build_model("debug", **MOE_LAYER, dtype=torch.float32), tokens, options=options,
                          region=torch.autocast("cpu", dtype=BF16))
     assert _counts(fp32)["quantize_once"] == _counts(bf16)["quantize_once"]
     details = [r.detail for _, record in fp32 for p in record.passes if p.name == "quantize_once" for r in p.rewrites]
@@ -165,7 +171,9 @@ def test_fp32_model_quantizes_expert_rows_once_before_the_gather_under_autocast(
 
 @pytest.fixture(scope="module")
 def inductor_reference():
-    """Two steps of the two-layer debug model (one dense, one MoE layer) in FP32 under BF16 autocast, Inductor."""
+    """Two steps of the two-layer debug model (one dense, one MoE layer) in FP32 under BF16 autocast, Inductor. (One
+    MoE layer alone compiles fewer kernels, but its router gate's gradient measures 17 dB against the 15 dB bar
+    below; 23 dB behind a dense layer.)"""
     torch.manual_seed(0)
     model = build_model("debug", n_layers=2, dtype=torch.float32)
     return model, _train(copy.deepcopy(model), "inductor")
