@@ -30,7 +30,8 @@ def test_hf_style_independent_model_rewritten_and_trains():
     import hf_style_moe
 
     torch.manual_seed(0)
-    model = hf_style_moe.build(seed=0)
+    # one dense and one MoE layer (the fixture's default has a second MoE layer, which adds compile time, not a check)
+    model = hf_style_moe.build(seed=0, num_hidden_layers=2)
     ids = hf_style_moe.example_input_ids(model.config if hasattr(model, "config") else hf_style_moe.TinyDeepseekConfig())
     loss, report = _train_step(model, lambda m: hf_style_moe.loss_fn(m, ids))
     assert torch.isfinite(loss)

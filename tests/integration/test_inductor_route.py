@@ -42,14 +42,17 @@ needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is 
                                       reason="torchtitan 0.3.0 (the [test] extra) needs torch >= 2.12")
 
 
-@pytest.fixture(autouse=True)
+@contextlib.contextmanager
 def vectorized_cpu_code():
-    """Inductor's CPU FlexAttention template needs SIMD code, which tests/conftest.py turns off for compile time.
-    Inductor caches its answer per process (functools.cache on the ISA probes): forget it on the way in and out."""
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):  # None: Inductor probes the CPU
+    """Inductor's CPU FlexAttention template needs SIMD code, which tests/conftest.py turns off for compile time: on
+    around the flex blocks' compiles only (g++ takes longer over SIMD code). Inductor caches its answer per process
+    (functools.cache on the ISA probes): forgotten on the way in and out."""
+    try:
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):  # None: Inductor probes the CPU
+            _forget_vec_isa()
+            yield
+    finally:
         _forget_vec_isa()
-        yield
-    _forget_vec_isa()
 
 
 def _forget_vec_isa():
@@ -162,7 +165,7 @@ def test_flex_blocks_compiled_by_inductor_are_rewritten():
         want = model(x, mask)  # eager BF16
     inductor_route.install()
     compile_per_block(model, model.blocks, "inductor")
-    with moepass.collecting() as report, caches_off(), torch.no_grad():
+    with moepass.collecting() as report, caches_off(), torch.no_grad(), vectorized_cpu_code():
         got = model(x, mask)
 
     assert report.graphs, "the route saw no graph"
@@ -349,7 +352,9 @@ def test_torchtitan_deepseek_v3_debugmodel_with_flex_through_apply_compile(dynam
     tokens = torch.randint(0, model_config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(128).unsqueeze(0)
     with moepass.collecting() as report, caches_off(), torch.no_grad():
-        logits = model(tokens, positions, model.get_attention_masks(positions))
+        masks = model.get_attention_masks(positions)  # torchtitan compiles create_block_mask: no flex template in it
+        with vectorized_cpu_code():
+            logits = model(tokens, positions, masks)
     assert logits.shape == (1, 128, model_config.vocab_size) and logits.isfinite().all()
 
     blocks = [g for g in report.graphs if g.module.startswith("layers.")]
