@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rank_pool  # noqa: F401  (a fixture)
+from rank_shared import rank_pool  # noqa: F401  (a fixture)
 
 import ep_catalog_bounded
 from moepass.dynamo_flags import FLAGS

@@ -1,4 +1,4 @@
-"""moepass::ep_dispatch / ep_combine on gloo, 2 and 4 CPU ranks in spawned processes.
+"""moepass::ep_dispatch / ep_combine on gloo, 2 and 4 CPU ranks in their own processes.
 
 The reference backend is checked against expectations built by hand; moepass's DeepEP code is checked the same
 way on the deep_ep double (tests/fixtures/doubles/deep_ep: DeepEP V1's Buffer over gloo), since DeepEP needs GPUs.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from doubles import with_deep_ep_double
-from helpers import (  # noqa: F401  (rank_pool: a fixture)
+from helpers import (
     EpProblem,
     check_autograd,
     check_combine_of_dispatch_counts_destinations,
@@ -28,8 +28,8 @@ from helpers import (  # noqa: F401  (rank_pool: a fixture)
     dispatch,
     expected_dispatch,
     make_rank_inputs,
-    rank_pool,
 )
+from rank_shared import rank_pool  # noqa: F401  (a fixture)
 
 
 # ---------------------------------------------------------------- rank checks of this file only

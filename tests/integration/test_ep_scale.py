@@ -1,6 +1,6 @@
 """Expert parallelism at 4, 8 and 16 gloo ranks: the deepep pass on DeepSeek-V3's node-limited routing.
 
-A tiny DeepSeek-V3 (a dense block, then a MoE block) with DeepSeek-V3's routing shape scaled down: 64 experts in 8
+A tiny DeepSeek-V3 (one MoE block) with DeepSeek-V3's routing shape scaled down: 64 experts in 8
 groups, each token limited to its 4 best groups, top-4 of sigmoid scores (671B: 256 / 8 / 4 / 8). EP over every rank
 (16 experts a rank at 4 ranks, one group a rank at 8, a group over two ranks at 16), each block compiled on its own
 with `backend="moepass"` (as torchtitan compiles), the passes and ops run eagerly (`inductor: False`; one extended
@@ -30,12 +30,15 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rank_pool  # noqa: F401  (a fixture)
+from rank_shared import rank_pool  # noqa: F401  (a fixture)
 
 BF16 = torch.bfloat16
-SIZES = {"n_layers": 2, "n_dense_layers": 1, "dim": 64, "inter_dim": 64, "moe_inter_dim": 32, "n_heads": 2,
+# one MoE block and no dense block (a second compile per rank, no EP in it): the replicated gradients the dispatch's
+# backward returns still reach the block's attention and the embeddings upstream
+SIZES = {"n_layers": 1, "n_dense_layers": 0, "dim": 64, "inter_dim": 64, "moe_inter_dim": 32, "n_heads": 2,
          "kv_lora_rank": 32, "vocab_size": 256, "n_routed_experts": 64, "n_expert_groups": 8, "n_limited_groups": 4,
          "n_activated_experts": 4, "n_shared_experts": 1}
+MOE_LAYER = SIZES["n_layers"] - 1
 BATCH, SEQ_LEN = 2, 8  # per rank
 ROUTINGS = ("balanced", "experts_without_tokens", "ranks_without_tokens", "one_rank_gets_all")
 BIAS = 100.0  # far beyond any sigmoid score difference (scores are in (0, 1))
@@ -133,7 +136,7 @@ def routing_rows(world_size: int, routing: str) -> tuple[list[int], list[int]]:
     model = _model()
     _set_routing(model, routing, world_size)
     seen = []
-    router = model.layers[1].moe.router
+    router = model.layers[MOE_LAYER].moe.router
     handle = router.register_forward_hook(lambda mod, args, out: seen.append(out[1]))
     with torch.no_grad():
         model(_batch(world_size)[0])
@@ -275,7 +278,8 @@ def check_ep_matches_ep1(rank, world_size, backend, ac, fsdp, reference):
 
     passes = {p["name"]: p for p in report.to_dict()["passes"]}
     assert passes["deepep"]["replaced"] >= 1 and passes["deepep"]["skipped"] == [], passes["deepep"]
-    assert all(r["module"] == "layers.1.moe" for r in passes["deepep"]["rewrites"]), passes["deepep"]["rewrites"]
+    rewrites = passes["deepep"]["rewrites"]
+    assert all(r["module"] == f"layers.{MOE_LAYER}.moe" for r in rewrites), rewrites
     ops = report.to_dict()["ops_after"]
     assert not [k for k in ops if "all_to_all" in k], ops
     dispatch = "moepass.ep_dispatch_quantized" if backend == "fp8_dispatch" else "moepass.ep_dispatch"
@@ -285,11 +289,26 @@ def check_ep_matches_ep1(rank, world_size, backend, ac, fsdp, reference):
         flush=True)
 
 
-def _run(rank_pool, world_size, backend, ac="none", fsdp=False):
+@functools.cache
+def _routings_checked(world_size: int) -> bool:
+    """What each routing does depends on the rank count only: checked once per rank count, for every case."""
     for routing in ROUTINGS:
         _assert_routing_happened(world_size, routing)
-    reference = ep1_reference(world_size, BACKENDS[backend])
-    rank_pool(world_size).run(check_ep_matches_ep1, backend, ac, fsdp, reference, timeout_s=CHECK_TIMEOUT_S)
+    return True
+
+
+@functools.cache
+def _ep1_reference(world_size: int, backend: str) -> dict:
+    """The EP=1 run depends on the rank count and the backend's options only (AC and FSDP2 are the EP side's): the
+    cases sharing both compare against one run."""
+    return ep1_reference(world_size, BACKENDS[backend])
+
+
+def _run(rank_pool, world_size, backend, ac="none", fsdp=False):
+    ranks = rank_pool(world_size)  # first: a new pool's ranks start up while this process runs the EP=1 model
+    assert _routings_checked(world_size)
+    reference = _ep1_reference(world_size, backend)
+    ranks.run(check_ep_matches_ep1, backend, ac, fsdp, reference, timeout_s=CHECK_TIMEOUT_S)
 
 
 EXTENDED = pytest.mark.extended

@@ -16,6 +16,7 @@ Checked on every rank, for GPipe, 1F1B and interleaved 1F1B on 2 and 4 ranks:
   and 15% (a routed expert of the 8-layer model), 9% elsewhere;
 - the rank's report (moepass.collecting() around the schedule's step) holds its stage's blocks and no other's:
   linears in every block, grouped expert GEMMs in MoE stages only, the router gate left BF16 with its reason.
+The unpipelined references are the same on every rank: one rank runs each and sends it to the others (rank_shared).
 
 With expert parallelism inside the stages (4 ranks: 2 stages x EP 2, each stage's MoE blocks exchanging tokens
 within its EP pair, each PP pair fed its half of the batch) the EP region is rewritten on every rank (no all-to-all
@@ -35,7 +36,8 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, rank_pool  # noqa: F401  (a fixture)
+from helpers import TINY
+from rank_shared import computed_apart, rank_pool, waiting_group  # noqa: F401  (rank_pool: a fixture)
 from torch import nn
 
 BF16 = torch.bfloat16
@@ -188,7 +190,7 @@ def check_pipeline_matches_unpipelined(rank, world_size, schedule_name):
     num_stages = world_size * stages_per_rank
     n_layers = max(4, num_stages)
     n_dense = n_layers // 2
-    model, reference = _build(n_layers), _build(n_layers)
+    model = _build(n_layers)
     config = model.config
     stage_ids = [rank + k * world_size for k in range(stages_per_rank)]  # looped placement (interleaved)
     modules = [StageModule(model, _layers_of(s, num_stages, n_layers), s == 0, s == num_stages - 1)
@@ -206,23 +208,17 @@ def check_pipeline_matches_unpipelined(rank, world_size, schedule_name):
     layers = [i for s in stage_ids for i in _layers_of(s, num_stages, n_layers)]
     _assert_stage_report(report, layers, n_dense, ep=False)
 
-    _compile_blocks(reference)
-    want_losses = _unpipelined(reference, tokens, targets, next_token_loss)
+    (want_losses, ref_grads), (bf16_loss, bf16_grads) = _reference_runs(n_layers, tokens, targets)
     mine = {name: p for m in modules for name, p in m.named_parameters()}
     assert mine and all(p.grad is not None for p in mine.values())
-    ref_params = dict(reference.named_parameters())
     if has_last:
         assert len(losses) == MICROBATCHES
         assert torch.equal(torch.stack(losses), torch.stack(want_losses)), (losses, want_losses)
-    differ = [n for n, p in mine.items() if not torch.equal(p.grad, ref_params[n].grad)]
+    differ = [n for n, p in mine.items() if not torch.equal(p.grad, ref_grads[n])]
     assert not differ, f"rank {rank}: gradients differ from the unpipelined model's: {differ}"
 
     # the recipe's noise: the whole batch through the uncompiled BF16 model
-    bf16 = _build(n_layers)
-    bf16_loss = next_token_loss(bf16(tokens), targets)
-    bf16_loss.backward()
-    bf16_params = dict(bf16.named_parameters())
-    grad_gaps = {n: _rel(p.grad, bf16_params[n].grad) for n, p in mine.items()}
+    grad_gaps = {n: _rel(p.grad, bf16_grads[n]) for n, p in mine.items()}
     worst = max(grad_gaps, key=grad_gaps.get)
     assert grad_gaps[worst] <= GRAD_RTOL_BF16, (worst, grad_gaps[worst])
     loss_gap = 0.0
@@ -231,6 +227,32 @@ def check_pipeline_matches_unpipelined(rank, world_size, schedule_name):
         assert loss_gap <= LOSS_RTOL_BF16, loss_gap
     print(f"[pp {schedule_name} x{world_size}] rank {rank} layers {layers}: vs BF16 loss {loss_gap:.2e}, "
           f"worst grad {grad_gaps[worst]:.2e} ({worst})", flush=True)
+
+
+_reference_cache: dict = {}  # per rank process: (n_layers, batch) -> _reference_runs' result
+
+
+def _reference_runs(n_layers: int, tokens, targets):
+    """((losses, grads) of the unpipelined model with its blocks compiled alike, run microbatch by microbatch),
+    ((loss, grads) of the uncompiled BF16 model on the whole batch). The same on every rank and for every schedule
+    with n_layers: rank 0 runs the first while rank 1 runs the second, every rank gets both, once per pool."""
+    key = (n_layers, tuple(tokens.shape), tokens.sum().item(), targets.sum().item())
+    if key not in _reference_cache:
+        def compiled():
+            reference = _build(n_layers)
+            _compile_blocks(reference)
+            losses = _unpipelined(reference, tokens, targets, next_token_loss)
+            return losses, {n: p.grad for n, p in reference.named_parameters()}
+
+        def bf16():
+            model = _build(n_layers)
+            loss = next_token_loss(model(tokens), targets)
+            loss.backward()
+            return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+        runs = computed_apart({0: compiled, 1: bf16}, waiting_group())
+        _reference_cache[key] = runs[0], runs[1]
+    return _reference_cache[key]
 
 
 EXTENDED = pytest.mark.extended  # the rest of the matrix; CI keeps every schedule, both rank counts and PP x EP
@@ -262,8 +284,8 @@ def check_pipeline_with_expert_parallel_stages(rank, world_size, schedule_name):
     pp_groups = [dist.new_group([s * ep_size + e for s in range(pp_size)]) for e in range(ep_size)]
     ep_group, pp_group = ep_groups[stage], pp_groups[ep_rank]
     n_layers, n_dense = 4, 1  # both stages hold MoE blocks: layers 0 (dense), 1 | 2, 3
-    model, reference = _build(n_layers, n_dense, ep_group), _build(n_layers, n_dense)
-    model.load_full_state_dict(reference.state_dict())
+    model = _build(n_layers, n_dense, ep_group)
+    model.load_full_state_dict(_build(n_layers, n_dense).state_dict())
     config = model.config
     layers = list(_layers_of(stage, pp_size, n_layers))
     module = StageModule(model, range(layers[0], layers[-1] + 1), stage == 0, stage == pp_size - 1)
@@ -280,24 +302,31 @@ def check_pipeline_with_expert_parallel_stages(rank, world_size, schedule_name):
         losses = _step(schedule, stage == 0, stage == pp_size - 1, my_tokens, my_targets)
     _assert_stage_report(report, layers, n_dense, ep=True)
 
-    # the EP=1 model on the whole batch, microbatch by microbatch, each EP rank's half its own loss
-    _compile_blocks(reference)
+    # the EP=1 model on the whole batch, microbatch by microbatch, each EP rank's half its own loss: the same on
+    # every rank, so rank 0 runs it and sends it to the others
+    def ep1_reference():
+        reference = _build(n_layers, n_dense)
+        _compile_blocks(reference)
+        seen = []
 
-    def pair_losses(logits, mb_targets):
-        split = logits.view(ep_size, MICROBATCH_SIZE, SEQ_LEN, -1), mb_targets.view(ep_size, MICROBATCH_SIZE, SEQ_LEN)
-        per_rank = [next_token_loss(split[0][e], split[1][e]) for e in range(ep_size)]
-        pair_losses.seen.append(per_rank[ep_rank].detach())
-        return sum(per_rank)
+        def pair_losses(logits, mb_targets):
+            split = (logits.view(ep_size, MICROBATCH_SIZE, SEQ_LEN, -1),
+                     mb_targets.view(ep_size, MICROBATCH_SIZE, SEQ_LEN))
+            per_rank = [next_token_loss(split[0][e], split[1][e]) for e in range(ep_size)]
+            seen.append([loss.detach() for loss in per_rank])
+            return sum(per_rank)
 
-    pair_losses.seen = []
-    whole_tokens, whole_targets = (h.reshape(-1, SEQ_LEN) for h in halves)  # microbatch-major: mb i = both halves
-    _unpipelined(reference, whole_tokens, whole_targets, pair_losses)
+        whole_tokens, whole_targets = (h.reshape(-1, SEQ_LEN) for h in halves)  # microbatch-major: mb i = both halves
+        _unpipelined(reference, whole_tokens, whole_targets, pair_losses)
+        return seen, {n: p.grad for n, p in reference.named_parameters()}
+
+    seen, ref_grads = computed_apart({0: ep1_reference}, waiting_group())[0]
     if stage == pp_size - 1:
-        assert torch.equal(torch.stack(losses), torch.stack(pair_losses.seen)), (losses, pair_losses.seen)
-    ref_params = dict(reference.named_parameters())
+        want_losses = [per_rank[ep_rank] for per_rank in seen]
+        assert torch.equal(torch.stack(losses), torch.stack(want_losses)), (losses, want_losses)
     worst = 0.0
     for name, param in module.named_parameters():
-        want = ref_params[name].grad
+        want = ref_grads[name]
         if ".moe.experts." in name:
             assert torch.equal(param.grad, shard_experts(want, ep_rank, ep_size)), name
             continue

@@ -20,6 +20,7 @@ torchtitan 0.3.0 needs torch >= 2.12; its tests skip on older torch (the op and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rank_pool  # noqa: F401  (a fixture)
+from rank_shared import computed_apart, rank_pool, waiting_group  # noqa: F401  (rank_pool: a fixture)
 
 import moepass.ops  # noqa: F401  (registers the ops)
 
@@ -185,15 +186,15 @@ def test_gemm_ops_on_dtensor_shards(check, rank_pool):
 # ---------------------------------------------------------------- the passes on a parallelize_module model
 
 
-def _tp_model(inter_dim: int = 512):
-    """moepass's own debug DeepSeek-V3 with every SwiGLU FFN (dense and shared experts) tensor parallel, as
-    torchtitan's plans do it: w1/w3 ColwiseParallel, w2 RowwiseParallel."""
+def _tp_model(inter_dim: int = 512, n_layers: int = 2):
+    """moepass's own debug DeepSeek-V3 (a dense block, then MoE blocks) with every SwiGLU FFN (dense and shared
+    experts) tensor parallel, as torchtitan's plans do it: w1/w3 ColwiseParallel, w2 RowwiseParallel."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from moepass.models import build_model
 
     torch.manual_seed(0)
-    model = build_model("debug", n_layers=2, inter_dim=inter_dim)
+    model = build_model("debug", n_layers=n_layers, inter_dim=inter_dim)
     model.init_weights()
     plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
     for block in model.layers:
@@ -231,8 +232,9 @@ def check_parallelize_module_compiles_and_trains(rank, world_size):
 
 
 def check_unaligned_shard_stays_bf16_with_reason(rank, world_size):
-    # inter_dim 96: each rank holds 48 of the dense FFN's hidden units, not a multiple of MXFP8's 32-element block
-    losses, report = _compile_and_train(_tp_model(inter_dim=96), steps=1)
+    # inter_dim 96: each rank holds 48 of the dense FFN's hidden units, not a multiple of MXFP8's 32-element block;
+    # the dense block alone (n_layers=1): the MoE block's FFNs are not what this checks
+    losses, report = _compile_and_train(_tp_model(inter_dim=96, n_layers=1), steps=1)
     linear = next(p for p in report["passes"] if p["name"] == "linear")
     kept = [s for s in linear["skipped"] if s["module"].startswith("layers.0.feed_forward")]
     assert sorted(s["module"] for s in kept) == [f"layers.0.feed_forward.w{i}" for i in (1, 2, 3)], kept
@@ -260,38 +262,51 @@ def _titan():
     return tt
 
 
+@contextlib.contextmanager
+def _no_compile_caches():
+    """Inductor's FX graph cache and AOTAutograd's cache off, for every compile and step of these checks."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+            enable_autograd_cache=False):
+        yield
+
+
 def _moepass_step(titan, batch, param_shapes=None):
     import moepass
 
     tt = _titan()
     torch._dynamo.reset()
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, _no_compile_caches():
         tt.compile_blocks(titan, "moepass")
         shapes = param_shapes or {tt._plain_name(n): p.shape for n, p in titan.model.named_parameters()}
         result = tt.full_step(titan, *batch, shapes)
     return result, report.to_dict()
 
 
-def _reference(spmd_backend: str, fsdp: bool, batch):
+def _reference(spmd_backend: str, fsdp: bool, batch, tp: int):
     """moepass on the unsharded model, and on it with weights nudged by a bf16 ulp (built in fp32 then cast
-    when the case trains under FSDP2's mixed precision, so both start from the same bf16 weights). Even ranks run
-    the first, odd ranks the second (the same on every rank: the batch is), and they swap results."""
+    when the case trains under FSDP2's mixed precision, so both start from the same bf16 weights). The nudge is made
+    in place after the first step, so the second runs the same compiled graphs: one compile for both. The first rank
+    of each tensor-parallel group (whose ranks share a batch) runs them and sends them to every rank."""
     key = (spmd_backend, fsdp, batch[0].sum().item(), batch[1].sum().item())
     if key not in _references:
         from moepass.harness.converge import nudge_weights
 
         tt = _titan()
-        nudge = dist.get_rank() % 2 == 1
         titan = tt.build_parallel("16B-like", spmd_backend=spmd_backend, **SIZES, **(
-            {"dtype": torch.float32} if fsdp else {}))
+            {"dtype": torch.float32} if fsdp else {}))  # on every rank: its device mesh may create process groups
         if fsdp:
             titan.model.to(BF16)
-        if nudge:
+
+        def unsharded_and_nudged():
+            run = _moepass_step(titan, batch)
             nudge_weights(titan.model, seed=7)
-        runs = [None] * dist.get_world_size()
-        dist.all_gather_object(runs, _moepass_step(titan, batch))
-        _references[key] = runs[:2]
+            with _no_compile_caches():
+                nudged = tt.full_step(titan, *batch, {name: g.shape for name, g in run[0].grads.items()})
+            return run, (nudged, None)
+
+        leaders = range(0, dist.get_world_size(), tp)
+        runs = computed_apart({leader: unsharded_and_nudged for leader in leaders}, waiting_group())
+        _references[key] = runs[dist.get_rank() - dist.get_rank() % tp]
     return _references[key]
 
 
@@ -321,7 +336,7 @@ def check_torchtitan_tp_matches_unsharded(rank, world_size, case: dict):
     titan = tt.build_parallel("16B-like", **SIZES, **case)
     batch = tt.example_batch(titan)  # the same on the ranks of a tensor-parallel group
     (ref, ref_report), (nudged, _) = _reference(case.get("spmd_backend", "partial_dtensor"), case.get("fsdp", False),
-                                                batch)
+                                                batch, titan.parallel_dims.tp)
     if case.get("fsdp"):
         ref, nudged = _summed_over_data_parallel(titan, ref), _summed_over_data_parallel(titan, nudged)
     got, report = _moepass_step(titan, batch, param_shapes={name: g.shape for name, g in ref.grads.items()})
