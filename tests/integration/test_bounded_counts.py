@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from helpers import rank_pool  # noqa: F401  (a fixture)
+from rank_shared import rank_pool  # noqa: F401  (a fixture: ranks forked from a server that imported torch once)
 from torch import nn
 
 from moepass.dynamo_flags import FLAGS

@@ -1,7 +1,7 @@
 """Robustness sweep: generated small MoE configs (tests/fixtures/sweep_configs.py), each compiled with backend="moepass"
 and trained one step.
 
-Per config, on each rank (spawned gloo ranks, helpers.RankPools: a crash or hang fails only that config):
+Per config, on each rank (gloo rank processes, helpers.RankPools: a crash or hang fails only that config):
   - build the model (moepass.models DeepSeek-V3, or the independent HF-style model); a ValueError at build is
     "rejected by the model", counted apart, never a failure (so is a batch the uncompiled model cannot run);
   - one training step through torch.compile(backend="moepass"): forward, loss, backward, AdamW step;
@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "fixtures"))  # helpers / swe
 sys.path.insert(0, str(Path(__file__).parents[1] / "fixtures" / "independent"))  # hf_style_moe
 import sweep_configs  # noqa: E402
 from helpers import RankPools  # noqa: E402
+from rank_shared import preloaded_context  # noqa: E402
 from sweep_configs import SweepConfig  # noqa: E402
 
 SEED = 0
@@ -383,7 +384,9 @@ EMPTY_BATCH_BF16_EXPERTS = dataclasses.replace(EMPTY_BATCH, index=901, dim=40)
 
 @pytest.fixture(scope="module")
 def sweep_pools():
-    pools = RankPools()
+    # ranks forked from a server that imported torch and moepass once (fresh processes still: a crash stays one
+    # config's); spawned, each imported them itself, seconds per rank
+    pools = RankPools(context=preloaded_context())
     yield pools
     pools.close()
 

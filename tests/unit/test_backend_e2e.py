@@ -4,21 +4,27 @@ import importlib.metadata
 
 import pytest
 import torch
+from helpers import TINY
 
 import moepass
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
 from moepass.options import DEFAULT_PASSES
 
+# the debug model at the harness tests' widths and tokens (TINY, [2, 32]: their Inductor kernels are compiled once a
+# run), one dense and two MoE layers: each per-layer count still spans several MoE layers, in 3/4 of the flavor's graph
+N_LAYERS = 3
+MOE_LAYERS = N_LAYERS - 1  # debug: the first layer dense
+
 
 @pytest.fixture(scope="module")
 def trained_step():
     """One compiled forward/backward/AdamW step of the debug model, with the report of its compile."""
     torch.manual_seed(0)
-    model = build_model("debug")
+    model = build_model("debug", **{**TINY, "n_layers": N_LAYERS})
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 2048, (2, 64))
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 32))
     compiled = torch.compile(model, backend="moepass")
     # the report's compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
     with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
@@ -45,9 +51,8 @@ def test_every_eligible_grouped_gemm_rewritten(trained_step):
     _, _, _, report = trained_step
     d = report.to_dict()
     grouped = {p["name"]: p for p in d["passes"]}["grouped_mm"]
-    moe_layers = 4 - 1  # debug: 4 layers, the first dense
-    assert d["ops_before"]["_grouped_mm"] == 3 * moe_layers
-    assert grouped["replaced"] == 3 * moe_layers and grouped["skipped"] == []
+    assert d["ops_before"]["_grouped_mm"] == 3 * MOE_LAYERS
+    assert grouped["replaced"] == 3 * MOE_LAYERS and grouped["skipped"] == []
     assert "_grouped_mm" not in d["ops_after"]
     assert set(grouped["implementations"]) == {"emulated"}
 
@@ -57,12 +62,11 @@ def test_every_eligible_linear_rewritten_router_and_head_skipped(trained_step):
     d = report.to_dict()
     linear = {p["name"]: p for p in d["passes"]}["linear"]
     skipped = {s["module"]: s["reason"] for s in linear["skipped"]}
-    assert set(skipped) == {"layers.1.moe.router.gate", "layers.2.moe.router.gate", "layers.3.moe.router.gate",
-                            "output"}
+    assert set(skipped) == {*(f"layers.{i}.moe.router.gate" for i in range(1, N_LAYERS)), "output"}
     assert all("router gate" in r for m, r in skipped.items() if "router" in m)
     assert "output head" in skipped["output"]
-    assert linear["replaced"] == d["ops_before"]["linear"] - 4
-    assert d["ops_after"]["linear"] == 4  # exactly the routers and the head stay F.linear
+    assert linear["replaced"] == d["ops_before"]["linear"] - (MOE_LAYERS + 1)
+    assert d["ops_after"]["linear"] == MOE_LAYERS + 1  # exactly the routers and the head stay F.linear
 
 
 def test_backward_graph_holds_quantized_dgrad_and_wgrad(trained_step):
@@ -72,7 +76,7 @@ def test_backward_graph_holds_quantized_dgrad_and_wgrad(trained_step):
     ops = backward[0]
     for op in ("mxfp8_linear_dgrad", "mxfp8_linear_wgrad", "mxfp8_grouped_mm_dgrad", "mxfp8_grouped_mm_wgrad"):
         assert ops.get(f"moepass.{op}", 0) > 0, (op, ops)
-    assert ops["moepass.mxfp8_grouped_mm_wgrad"] == 9
+    assert ops["moepass.mxfp8_grouped_mm_wgrad"] == 3 * MOE_LAYERS  # w1, w3, w2 of each MoE layer
 
 
 def test_training_step_gives_every_parameter_a_gradient_and_updates_gemm_weights(trained_step):

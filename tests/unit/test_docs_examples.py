@@ -1,7 +1,8 @@
 """Every ```python and ```bash block of README.md and docs/*.md runs as written, or is parsed and its flags checked.
 
 The line right before a fence may mark the block (docs/README.md, "Examples"):
-    (none)                          runs in CI: python in a subprocess, bash under `bash -e`, in a fresh directory
+    (none)                          runs in CI: python in a process of its own, bash under `bash -e`, in a fresh
+                                    directory
     <!-- example: extended -->      runs only under `pytest -m extended` (long CPU runs)
     <!-- example: gpu -->, multigpu, nodes, setup
                                     parsed only (ast.parse; bash -n), every `moepass <command>` line checked against
@@ -10,6 +11,8 @@ The line right before a fence may mark the block (docs/README.md, "Examples"):
     <!-- example: output -->       shown output, never run
 A runnable block's directory links the repository's top-level entries (`python examples/x.py` works as from the
 repository root); `pip` is a shell function that only says it was not run, so no block installs anything.
+A python block runs as `python docs_example.py` would, in a process forked from one that imported torch and moepass
+once (a fresh interpreter's imports were most of a short block's seconds); nothing one block does reaches another.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -129,13 +133,50 @@ def _run(argv: list[str], cwd: Path, timeout: int, what: str) -> None:
     print(f"{what}: exit 0\n{output[-2000:]}")
 
 
+def _python_in_child(script: str, output: str) -> None:
+    """`python script` in the script's directory, its output to `output`: an exception exits 1 with its traceback,
+    sys.exit(n) exits n (multiprocessing's child does what the interpreter does)."""
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    directory = os.path.dirname(script)
+    os.chdir(directory)
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    # what the tests put on the path, or imported, a user's `python docs_example.py` does not have
+    tests = str(ROOT / "tests")
+    for name in [n for n, m in sys.modules.items() if (getattr(m, "__file__", None) or "").startswith(tests)]:
+        del sys.modules[name]
+    sys.argv, sys.path[:] = [script], [directory, *(p for p in sys.path if not p.startswith(tests))]
+    runpy.run_path(script, run_name="__main__")
+
+
+def _run_python(script: Path, timeout: int, what: str) -> None:
+    from rank_shared import preloaded_context  # this process's one forkserver: the rank pools' (torch, moepass loaded)
+
+    output = script.parent.with_suffix(".out")  # beside the block's directory: the block sees only what it made there
+    child = preloaded_context().Process(target=_python_in_child, args=(str(script), str(output)))
+    child.start()
+    try:
+        child.join(timeout)
+        ran_past = child.is_alive()
+    finally:  # also when the test itself is interrupted: no block outlives its test
+        if child.is_alive():
+            child.kill()
+            child.join()
+    said = output.read_text(errors="replace")[-12000:] if output.exists() else ""
+    if ran_past:
+        pytest.fail(f"{what} ran past {timeout} s\n--- output (tail) ---\n{said}")
+    assert child.exitcode == 0, f"{what} exited {child.exitcode}\n--- output (tail) ---\n{said}"
+    print(f"{what}: exit 0\n{said[-2000:]}")
+
+
 def _run_block(b: Block, tmp_path: Path, timeout: int) -> None:
     cwd = _workdir(tmp_path)
     if b.lang == "python":
         script = cwd / "docs_example.py"
         script.write_text("\n".join(x.code for x in b.chain))
         what = f"python block {b.id}" + (f" (with {', '.join(x.id for x in b.chain[:-1])})" if len(b.chain) > 1 else "")
-        _run([sys.executable, str(script)], cwd, timeout, what)
+        _run_python(script, timeout, what)
     else:
         script = cwd / "docs_example.sh"
         script.write_text(PIP_SHIM + b.code)

@@ -56,7 +56,9 @@ def _graphs_and_breaks(compile_and_run) -> tuple[int, int]:
 
 
 def _config() -> dict:
-    return {k: repr(v) for k, v in torch._dynamo.config.get_config_copy().items()}
+    # sets sorted, as the probe below does: a copied set of the same strings may iterate in another order (a flake)
+    return {k: repr(sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v)
+            for k, v in torch._dynamo.config.get_config_copy().items()}
 
 
 def test_moepass_compile_traces_split_sizes_in_one_graph_and_other_backends_still_break():
@@ -119,16 +121,17 @@ def test_data_dependent_errors_are_told_from_others():
 
 # ---------------------------------------------------------------- the DeepSeek-V3 reference loop, trained
 
-# CI trains the mixed loop (torch.where and nonzero, one each per expert pair); each spelling alone under -m extended
-@pytest.mark.parametrize("select", ["mixed", pytest.param("where", marks=pytest.mark.extended),
-                                    pytest.param("nonzero", marks=pytest.mark.extended)])
-def test_data_dependent_expert_loop_trains_under_moepass_with_inductors_losses(select):
+# CI trains the mixed loop on 2 experts (as many as the probe below): expert 0 takes its rows by torch.where, expert 1
+# by nonzero, in half the graphs 4 experts compile; each spelling alone on 4 experts under -m extended
+@pytest.mark.parametrize("select, n_experts", [("mixed", 2), pytest.param("where", 4, marks=pytest.mark.extended),
+                                               pytest.param("nonzero", 4, marks=pytest.mark.extended)])
+def test_data_dependent_expert_loop_trains_under_moepass_with_inductors_losses(select, n_experts):
     from torch._dynamo.utils import counters
 
-    reference = build(select)
+    reference = build(select, n_experts)
     torch._dynamo.reset()
     want = train_losses(reference, torch.compile(reference, backend="inductor"))
-    model = build(select)
+    model = build(select, n_experts)
     torch._dynamo.reset()
     counters.clear()
     before = _config()
@@ -139,10 +142,11 @@ def test_data_dependent_expert_loop_trains_under_moepass_with_inductors_losses(s
     assert counters[dynamo_flags.COUNTER]["frames_traced_without_flags"] > 0 and report.graph_breaks > 0
     linear = {p["name"]: p for p in report.to_dict()["passes"]}["linear"]
     rewritten = {r["module"] for r in linear["rewrites"]}
-    assert {f"moe.experts.{e}.{w}" for e in range(4) for w in ("w1", "w2", "w3")} <= rewritten, linear["skipped"]
+    experts = {f"moe.experts.{e}.{w}" for e in range(n_experts) for w in ("w1", "w2", "w3")}
+    assert experts <= rewritten, linear["skipped"]
     # MXFP8 (emulated) against BF16 GEMMs: the recipe's noise, well within a few percent of the loss
     assert all(abs(g - w) <= 0.02 * w for g, w in zip(got, want)), (got, want)
-    assert got[-1] < 0.9 * got[0]  # it learns (untrained, the third batch's loss is 0.95x the first's)
+    assert got[-1] < 0.9 * got[0]  # it learns (untrained, the third batch's loss is 0.94x the first's)
 
 
 # ---------------------------------------------------------------- a fresh process: nothing leaks
@@ -162,8 +166,9 @@ _PROBE = textwrap.dedent("""
     at_start = config()
     if {moepass_first!r}:  # import moepass, then compile and train something else with it
         import moepass, moepass.inductor_route  # noqa: F401
-        first = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
-        torch.compile(first, backend="moepass")(torch.randn(4, 64).to(torch.bfloat16)).float().sum().backward()
+        # test_quiet_terminal.py's user model and input: Inductor's kernels for it are compiled once per test run
+        first = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).to(torch.bfloat16)
+        torch.compile(first, backend="moepass")(torch.randn(32, 64, dtype=torch.bfloat16)).float().sum().backward()
     before = config()
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     model = build({select!r}, n_experts=2)
