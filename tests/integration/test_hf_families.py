@@ -259,7 +259,8 @@ LLAMA4_TEXT = dict(intermediate_size_mlp=64, head_dim=16, num_local_experts=4, n
 
 @pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=pytest.mark.extended)])  # Inductor: ~1 min
 def test_llama4_text_trains_with_an_in_place_add_on_a_rewritten_linears_output(inductor):
-    """Three SGD steps of Llama4's text model, with and without Inductor: DESIGN.md's "outputs a user may modify"."""
+    """Three SGD steps of Llama4's text model, with and without Inductor: the code after a moepass op may modify its
+    outputs in place (moepass/ops/fresh_outputs.py)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**{**TINY, **LLAMA4_TEXT})).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""A moepass op's outputs are ordinary tensors to the code after it (docs: DESIGN.md's contracts): `add_`, `mul_` and
+"""A moepass op's outputs are ordinary tensors to the code after it (moepass/ops/fresh_outputs.py): `add_`, `mul_` and
 an `add_` through a view of each op family's output (linear, grouped, rows, EP dispatch / combine; every recipe) give
 the values and gradients of the same code written out of place. Eagerly, the ops are called under autograd, one change
 at a time; compiled through backend="moepass", with and without Inductor, the passes insert them into a tiny module
