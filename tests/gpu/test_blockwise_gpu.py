@@ -13,8 +13,8 @@ import torch
 import moepass.ops  # noqa: F401  (registers the ops)
 from moepass.ops.lowp.blockwise import quant
 from moepass.ops.lowp.blockwise.kernels import choice, gemm
-from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
-                     linear_reference, sqnr)
+from helpers import (assert_sqnr, compile_caches_off, forward_backward, grouped_inputs, grouped_reference,
+                     linear_inputs, linear_reference, sqnr)
 
 HAS_CUDA = torch.cuda.is_available()
 CC = torch.cuda.get_device_capability() if HAS_CUDA else (0, 0)
@@ -235,8 +235,7 @@ def test_compiled_blockwise_linear_equals_the_eager_op(scaled_mm, division_round
     fn = lambda a, b: ops.blockwise_linear(a, b, None, False, "scaled_mm")  # noqa: E731
     options = {"recipe": "blockwise", "inductor.options": {DIVISION_ROUNDING: True} if division_rounding else {}}
     torch._dynamo.reset()
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         got = forward_backward(torch.compile(fn, backend="moepass", options=options), g, x, w)
     want = forward_backward(fn, g, x, w)
     compiled = {c["kind"]: c["ops"] for c in report.compiled}
@@ -267,8 +266,7 @@ def test_compiled_blockwise_grouped_mm_equals_the_eager_op(scaled_mm, kernel, ge
     x, w_t, offs, g = grouped_inputs([70, 0, 130, 33], 256, 384, seed=2400, device="cuda", trailing_tokens=5)
     fn = lambda a, b: ops.blockwise_grouped_mm(a, b, offs, False, kernel)  # noqa: E731
     torch._dynamo.reset()
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         got = forward_backward(torch.compile(fn, backend="moepass",
                                              options={"recipe": "blockwise",
                                                       "inductor.options": {DIVISION_ROUNDING: True}}), g, x, w_t)

@@ -8,6 +8,7 @@ import torch
 import moepass.ops  # noqa: F401
 from moepass.ops.lowp.mxfp8.kernels.choice import choose_mxfp8_kernel
 from helpers import MXFP8_GROUPED_SHAPES as GROUPED_SHAPES
+from helpers import compile_caches_off
 from helpers import MXFP8_LINEAR_SHAPES as LINEAR_SHAPES
 from helpers import MXFP8_SQNR_BARS as SQNR_BARS
 from helpers import (assert_all_equal, assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
@@ -92,8 +93,7 @@ def test_inductor_fuses_emulated_mxfp8_bit_equal_to_the_ops():
     _, w_t, offs, g = grouped_inputs([100, 0, 150, 37], 512, 256, seed=1401, device="cuda", trailing_tokens=13)
     audit = CompiledGraphAudit()
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with compile_caches_off():
         compiled = torch.compile(block, fullgraph=True, backend=lambda gm, ex: compile_fx(
             gm, ex, decompositions=table, config_patches={"post_grad_custom_post_pass": audit}))
         got = forward_backward(compiled, g, x, w, w_t, offs)

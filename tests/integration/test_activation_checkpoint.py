@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import compile_caches_off
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
@@ -45,8 +46,7 @@ def _model(checkpointed: str | None):
 
 def _step(model, options):
     torch._dynamo.reset()
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         loss = next_token_loss(torch.compile(model, backend="moepass", options=options)(TOKENS), TOKENS)
         loss.backward()
     grads = {_plain_path(n): p.grad for n, p in model.named_parameters()}

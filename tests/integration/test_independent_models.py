@@ -7,6 +7,7 @@
 
 import pytest
 import torch
+from helpers import compile_caches_off
 
 import moepass
 
@@ -18,8 +19,7 @@ def _by_name(report):
 def _train_step(model, loss_fn):
     compiled = torch.compile(model, backend="moepass")
     # the report's compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         loss = loss_fn(compiled)
         loss.backward()
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()

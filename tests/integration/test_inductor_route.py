@@ -34,7 +34,7 @@ from moepass.inductor_stage.cache_key import CompiledGraphAudit
 from moepass.harness.train import next_token_loss
 from moepass.models import build_model
 from moepass.recipes.registry import RECIPES, settle
-from helpers import rank_pool, scaled_mm_on_cpu  # noqa: F401  (fixtures)
+from helpers import compile_caches_off, rank_pool, scaled_mm_on_cpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16
 TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
@@ -76,14 +76,6 @@ def fresh_route():
     yield
     inductor_route.uninstall()
     torch._dynamo.reset()
-
-
-def caches_off():
-    """The compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-    return stack
 
 
 def pass_totals(report) -> dict[str, int]:
@@ -165,7 +157,7 @@ def test_flex_blocks_compiled_by_inductor_are_rewritten():
         want = model(x, mask)  # eager BF16
     inductor_route.install()
     compile_per_block(model, model.blocks, "inductor")
-    with moepass.collecting() as report, caches_off(), torch.no_grad(), vectorized_cpu_code():
+    with moepass.collecting() as report, compile_caches_off(), torch.no_grad(), vectorized_cpu_code():
         got = model(x, mask)
 
     assert report.graphs, "the route saw no graph"
@@ -197,7 +189,7 @@ def _debug_train_step(backend: str, options: dict | None = None):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     compile_per_block(model, model.layers, backend, options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with moepass.collecting() as report, caches_off():
+    with moepass.collecting() as report, compile_caches_off():
         loss = next_token_loss(model(tokens), tokens)
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -237,7 +229,7 @@ def test_fp8_rowwise_decompositions_reach_inductor(scaled_mm_on_cpu):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False)).to(BF16)
     x = torch.randn(2, 24, 64, dtype=BF16)
-    with inductor_route.route(options), moepass.collecting() as report, caches_off():
+    with inductor_route.route(options), moepass.collecting() as report, compile_caches_off():
         torch.compile(model, backend="inductor")(x).float().square().sum().backward()
     assert pass_totals(report)["linear"] == 2
     forward, backward = compiled_ops(report, "forward"), compiled_ops(report, "backward")
@@ -351,7 +343,7 @@ def test_torchtitan_deepseek_v3_debugmodel_with_flex_through_apply_compile(dynam
 
     tokens = torch.randint(0, model_config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(128).unsqueeze(0)
-    with moepass.collecting() as report, caches_off(), torch.no_grad():
+    with moepass.collecting() as report, compile_caches_off(), torch.no_grad():
         masks = model.get_attention_masks(positions)  # torchtitan compiles create_block_mask: no flex template in it
         with vectorized_cpu_code():
             logits = model(tokens, positions, masks)
@@ -375,7 +367,7 @@ def check_ep_regions_through_the_route(rank, world_size):
 
     inductor_route.install({"passes": ["deepep"]})
     titan = tt.build_moe("16B-like", ac="selective")
-    with moepass.collecting() as report, caches_off():
+    with moepass.collecting() as report, compile_caches_off():
         (result,) = tt.train_steps(titan, "inductor", steps=1)
     inductor_route.uninstall()
     (deepep,) = [p for p in report.to_dict()["passes"] if p["name"] == "deepep"]
@@ -406,7 +398,7 @@ def _plain_inductor_compile():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False)).to(BF16)
     recorder = _Recorder()
-    with moepass.collecting() as report, caches_off(), torch.no_grad(), \
+    with moepass.collecting() as report, compile_caches_off(), torch.no_grad(), \
             torch._inductor.config.patch(post_grad_custom_post_pass=recorder):
         torch.compile(model, backend="inductor")(torch.randn(32, 64, dtype=BF16))
     return recorder.sink, report
@@ -491,7 +483,7 @@ def test_flex_training_step_on_cuda_through_the_route():
         compile_per_block(model, model.blocks, "moepass" if route is False else "inductor",
                           backend_options if route is False else None)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        with moepass.collecting() as report, caches_off():
+        with moepass.collecting() as report, compile_caches_off():
             loss = model(x, mask).float().square().mean()
             loss.backward()
         grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, compile_caches_off
 from torch import fx, nn
 
 import moepass
@@ -41,8 +41,7 @@ def per_block_run(tmp_path_factory):
     loss_of = torch.compile(next_token_loss, backend="moepass", options=options)
     tokens = torch.randint(0, model.config.vocab_size, (2, 32))
     # the compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with compile_caches_off():
         loss = loss_of(model(tokens), tokens)
         after_forward = {"index": _read(out / "index.json"), "report": _read(out / "report.json")}
         loss.backward()

@@ -20,7 +20,6 @@ torchtitan 0.3.0 needs torch >= 2.12; its tests skip on older torch (the op and 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import compile_caches_off
 from rank_shared import computed_apart, rank_pool, waiting_group  # noqa: F401  (rank_pool: a fixture)
 
 import moepass.ops  # noqa: F401  (registers the ops)
@@ -262,20 +262,12 @@ def _titan():
     return tt
 
 
-@contextlib.contextmanager
-def _no_compile_caches():
-    """Inductor's FX graph cache and AOTAutograd's cache off, for every compile and step of these checks."""
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
-            enable_autograd_cache=False):
-        yield
-
-
 def _moepass_step(titan, batch, param_shapes=None):
     import moepass
 
     tt = _titan()
     torch._dynamo.reset()
-    with moepass.collecting() as report, _no_compile_caches():
+    with moepass.collecting() as report, compile_caches_off():
         tt.compile_blocks(titan, "moepass")
         shapes = param_shapes or {tt._plain_name(n): p.shape for n, p in titan.model.named_parameters()}
         result = tt.full_step(titan, *batch, shapes)
@@ -300,7 +292,7 @@ def _reference(spmd_backend: str, fsdp: bool, batch, tp: int):
         def unsharded_and_nudged():
             run = _moepass_step(titan, batch)
             nudge_weights(titan.model, seed=7)
-            with _no_compile_caches():
+            with compile_caches_off():
                 nudged = tt.full_step(titan, *batch, {name: g.shape for name, g in run[0].grads.items()})
             return run, (nudged, None)
 

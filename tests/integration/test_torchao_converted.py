@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+from helpers import compile_caches_off
 from torch import fx
 
 import moepass
@@ -150,8 +151,7 @@ def _step(backend: str, wgrad_with_hp: bool, options: tuple = (), convert: str =
     torch._dynamo.reset()
     model, x = converted_moe(wgrad_with_hp, convert), _tokens().requires_grad_()
     kwargs = {"options": dict(options)} if backend == "moepass" else {}
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         loss = torch.compile(model, backend=backend, **kwargs)(x).float().square().mean()
         loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import rank_pool  # noqa: F401  (a fixture)
+from helpers import compile_caches_off, rank_pool  # noqa: F401  (rank_pool: a fixture)
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is in the [test] extra")
 if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12):
@@ -38,8 +38,7 @@ def _train(titan, backend, options=None, steps=1):
     import moepass
 
     torch._dynamo.reset()
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         results = tt.train_steps(titan, backend, options, steps=steps)
     return results, report.to_dict()
 

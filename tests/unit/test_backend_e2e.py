@@ -4,7 +4,7 @@ import importlib.metadata
 
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, compile_caches_off
 
 import moepass
 from moepass.harness.train import next_token_loss
@@ -27,8 +27,7 @@ def trained_step():
     tokens = torch.randint(0, TINY["vocab_size"], (2, 32))
     compiled = torch.compile(model, backend="moepass")
     # the report's compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         loss = next_token_loss(compiled(tokens), tokens)
         loss.backward()
     opt.step()

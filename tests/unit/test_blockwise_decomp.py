@@ -18,8 +18,8 @@ from moepass.ops.lowp.blockwise.kernels import choice, gemm
 from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config
 from moepass.recipes.registry import settle
-from helpers import (assert_all_equal, forward_backward, grouped_inputs, linear_inputs, recording_aot_backend,
-                     two_linears_per_kernel)
+from helpers import (assert_all_equal, compile_caches_off, forward_backward, grouped_inputs, linear_inputs,
+                     recording_aot_backend, two_linears_per_kernel)
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
@@ -257,8 +257,7 @@ def test_inductor_compiles_the_decomposed_block_bit_equal_to_emulated(blockwise_
     table = {**select_decomp_table(), **decomp.blockwise_decompositions(BLOCKWISE)}
     g, x, w, w_t, offs = _block_inputs(7)
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with compile_caches_off():
         compiled = torch.compile(lambda *a: _block(*a, "scaled_mm"), fullgraph=True,
                                  backend=lambda gm, ex: compile_fx(gm, ex, decompositions=table))
         got = forward_backward(compiled, g, x, w, w_t, offs)

@@ -21,8 +21,8 @@ from moepass.ops.lowp.blockwise.recipe import BLOCKWISE
 from moepass.options import Config, OptionsError
 from moepass.recipes.plan import GemmPlan, plan_gemm
 from moepass.skips import SkipCode
-from helpers import (assert_sqnr, forward_backward, grouped_inputs, grouped_reference, linear_inputs,
-                     linear_reference)
+from helpers import (assert_sqnr, compile_caches_off, forward_backward, grouped_inputs, grouped_reference,
+                     linear_inputs, linear_reference)
 
 ops = torch.ops.moepass
 BF16 = torch.bfloat16
@@ -458,8 +458,7 @@ def test_debug_model_compiled_with_recipe_blockwise_trains_and_reports_its_rewri
     reference = next_token_loss(model(tokens := torch.randint(0, 2048, (2, 64))), tokens).item()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="moepass", options={"recipe": "blockwise"})
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         loss = next_token_loss(compiled(tokens), tokens)
         loss.backward()
     passes = {p["name"]: p for p in report.to_dict()["passes"]}

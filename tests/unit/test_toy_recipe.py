@@ -16,7 +16,7 @@ from moepass.models import build_model
 from moepass.options import Config, OptionsError, options_table
 from moepass.recipes import registry
 
-from helpers import TINY
+from helpers import TINY, compile_caches_off
 from toy_recipe import BF16_ROUNDTRIP
 from toy_recipe.kernels import reference
 
@@ -72,8 +72,7 @@ def test_the_debug_model_compiles_to_its_ops_and_trains_a_step(toy_recipe):
     reference.CALLS.clear()
     compiled = torch.compile(model, backend="moepass", options={"recipe": NAME, f"{NAME}.accumulate": "fp32"})
     # the compiled-graph audit runs only when Inductor really compiles (not on a warm cache hit)
-    with moepass.collecting() as report, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with moepass.collecting() as report, compile_caches_off():
         loss = next_token_loss(compiled(tokens), tokens)
         loss.backward()
     d = report.to_dict()
