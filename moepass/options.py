@@ -141,8 +141,17 @@ class DeepEP:
         "auto", "EP dispatch/combine implementation: auto picks DeepEP where it runs")
 
 
+@dataclasses.dataclass(frozen=True)
+class SegmentSums:
+    """Inside Inductor: scatter-adds of rows into zeros (an MoE's combine, a gather's backward) as sorted segment sums."""
+
+    devices: Literal["auto", "all", "none"] = option(
+        "auto", "where the rewrite runs; auto: CUDA graphs (a Triton kernel), all: also elsewhere (torch's "
+                "index_add, for tests), none: never (Inductor's atomic adds)")
+
+
 SECTIONS: dict[str, type] = {"": Core, "inductor": Inductor, "lowp": Lowp, "auto": Auto,
-                             "quantize_once": QuantizeOnce, "deepep": DeepEP}
+                             "quantize_once": QuantizeOnce, "deepep": DeepEP, "segment_sums": SegmentSums}
 """moepass's own option sections by prefix; each registered recipe adds its Options under its name."""
 
 

@@ -34,6 +34,7 @@ from .analysis.scopes import graph_scopes
 from .analysis.graph import op_histogram
 from .inductor_stage.cache_key import CompiledGraphAudit
 from .inductor_stage.saved_for_backward import SavedForBackward
+from .inductor_stage.post_grad import PostGrad
 from .options import PIPELINE, Config, canonical_pass
 from . import passes
 from .recipes import registry
@@ -49,8 +50,9 @@ INDUCTOR_STAGE = (
     # on the joint graph, before the partitioner reads it: EP exchanges kept for the backward (ep_recompute),
     # gathered FP8 rows gathered again rather than kept (regather_rows)
     ("joint_custom_pre_pass", SavedForBackward),
-    # on each graph Inductor compiles (forward, backward): what it left of moepass's ops; its uuid is the cache key
-    ("post_grad_custom_post_pass", CompiledGraphAudit),
+    # on each graph Inductor compiles (forward, backward): scatter-adds of rows as segment sums (segment_sums), then
+    # the audit of what it left of moepass's ops; its uuid is the cache key
+    ("post_grad_custom_post_pass", PostGrad),
 )
 """Inductor config entry -> the moepass pass it holds, in the order Inductor runs them (the Inductor route's
 RouteAudit hands each compiled graph to a CompiledGraphAudit)."""
@@ -132,6 +134,7 @@ class InductorHandoff:
     """What Inductor gets from moepass under one Config, its recipes' "auto" options settled (registry.settle)."""
     decompositions: dict  # the recipes' decompositions, added to Inductor's table (they are in no cache key...)
     variant: str  # ...so the options they read go into the audit's uuid (registry.cache_variant)
+    segment_sums: tuple[str, ...]  # the device types whose scatter-adds of rows become segment sums
 
     def audit(self, rewritten: RewrittenGraph) -> CompiledGraphAudit:
         """The audit of one rewritten graph: each graph Inductor compiles from it (the forward now, the backward at
@@ -139,11 +142,14 @@ class InductorHandoff:
         return CompiledGraphAudit(rewritten.record.compiled, self.variant, on_compiled=rewritten.save)
 
     def inductor_config(self, audit: CustomGraphPass) -> dict:
-        """INDUCTOR_STAGE's config entries for one compile: a fresh joint-graph pass, `audit` in the post-grad slot."""
-        return {"joint_custom_pre_pass": SavedForBackward(), "post_grad_custom_post_pass": audit}
+        """INDUCTOR_STAGE's config entries for one compile: a fresh joint-graph pass, the segment sums then `audit` in
+        the post-grad slot."""
+        return {"joint_custom_pre_pass": SavedForBackward(),
+                "post_grad_custom_post_pass": PostGrad(self.segment_sums, audit)}
 
 
 def inductor_handoff(config: Config, weights_sharded: bool) -> InductorHandoff:
     """The handoff to Inductor of graphs whose GEMMs' weights are (or are not) sharded by FSDP2."""
     settled = registry.settle(config, weights_sharded)
-    return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled))
+    devices = {"auto": ("cuda",), "all": ("cuda", "cpu", "xpu"), "none": ()}[config.section("segment_sums").devices]
+    return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled), devices)

@@ -252,7 +252,8 @@ def test_backend_passes_the_table_to_compile_fx(monkeypatch):
     torch.compile(torch.nn.Linear(32, 16), backend="moepass")(torch.randn(4, 32))
     table = seen["decompositions"]
     assert set(decomp.fp8_rowwise_decompositions()) <= set(table) and torch.ops.aten.addmm.default in table
-    assert isinstance(seen["config_patches"]["post_grad_custom_post_pass"], CompiledGraphAudit)
+    post_grad = seen["config_patches"]["post_grad_custom_post_pass"]  # the segment sums, then the audit
+    assert isinstance(post_grad.audit, CompiledGraphAudit) and post_grad.segment_sum_devices == ("cuda",)
 
 
 def test_inductor_through_the_backend_runs_scaled_mm_bit_equal_to_emulated(scaled_mm_on_cpu):
