@@ -145,8 +145,8 @@ class DeepEP:
 class SegmentSums:
     """Inside Inductor: scatter-adds of rows into zeros (an MoE's combine, a gather's backward) as sorted segment sums."""
 
-    devices: Literal["auto", "all", "none"] = option(
-        "auto", "where the rewrite runs; auto: CUDA graphs (a Triton kernel), all: also elsewhere (torch's "
+    devices: Literal["cuda", "all", "none"] = option(
+        "cuda", "where the rewrite runs; cuda: CUDA graphs (a Triton kernel), all: also elsewhere (torch's "
                 "index_add, for tests), none: never (Inductor's atomic adds)")
 
 

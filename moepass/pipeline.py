@@ -151,5 +151,5 @@ class InductorHandoff:
 def inductor_handoff(config: Config, weights_sharded: bool) -> InductorHandoff:
     """The handoff to Inductor of graphs whose GEMMs' weights are (or are not) sharded by FSDP2."""
     settled = registry.settle(config, weights_sharded)
-    devices = {"auto": ("cuda",), "all": ("cuda", "cpu", "xpu"), "none": ()}[config.section("segment_sums").devices]
+    devices = {"cuda": ("cuda",), "all": ("cuda", "cpu", "xpu"), "none": ()}[config.section("segment_sums").devices]
     return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled), devices)

@@ -12,7 +12,7 @@ sum (index_add, index_put with accumulate, scatter_add, and the backward of x[id
 three aten ops. It rewrites one when:
 - it adds into a zero tensor [n, D] (a fresh one: these ops are functional), along dim 0, with one 1-D integer index;
 - its rows are float [M, D] and n is known at compile time;
-- the graph runs on a device the option allows ("auto": CUDA, where the Triton kernel runs).
+- the graph runs on a device `segment_sums.devices` allows ("cuda": where the Triton kernel runs).
 What it reads is the rows' producers where they are written anyway: a widening cast (bf16 -> fp32, exact) is read
 through, and a sum of GEMM outputs (the dgrads of w1 and w3) is added inside the kernel instead of written first.
 """

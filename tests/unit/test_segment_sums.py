@@ -71,7 +71,7 @@ def test_gather_backwards_become_segment_sums_and_the_default_leaves_cpu_graphs(
     _gathers(x, idx)[0].sum().backward()
     torch.testing.assert_close(out, _gathers(x, idx)[0])
     torch.testing.assert_close(got, x.grad)
-    for devices in ("auto", "none"):  # auto: CUDA graphs only
+    for devices in ("cuda", "none"):  # the default, cuda: CUDA graphs only
         assert _compiled_ops(_gathers, (x, idx), devices)[1] == {"forward": 0, "backward": 0}
 
 
