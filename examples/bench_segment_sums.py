@@ -15,16 +15,11 @@ once), the speedup, and the largest difference from an fp64 sum relative to its 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
-import shlex
 import sys
 
 import torch
 
-from bench_fp8_gemms import time_ms
-from moepass.harness.provenance import git_commit, package_version
+from bench_fp8_gemms import provenance, save_json, time_ms
 from moepass.ops.rows.segment_sum import segment_sum_rows
 
 # (model, tokens T, top_k, D)
@@ -52,9 +47,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_segment_sums: needs a CUDA GPU", file=sys.stderr)
         return 2
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": package_version("triton"),
-              "commit": git_commit()["commit"], "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": []}
+    result = {**provenance(torch.cuda.get_device_capability()), "rows": []}
     print(f"{result['gpu']}, torch {result['torch']}; ms (GB/s), speedup, max error relative to the fp64 sum's max")
     combine, gather_grad = (torch.compile(f, backend="inductor", fullgraph=True) for f in (_combine, _gather_grad))
     for model, tokens, top_k, d in SHAPES:
@@ -84,10 +77,7 @@ def main(argv=None) -> int:
                   f"{row['speedup']:.2f}x  error {row['max_rel_error']}", flush=True)
             del exact
         del a, b
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_json(result, args.out)
     return 0
 
 

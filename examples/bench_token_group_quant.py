@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
-import pathlib
 import shlex
 import sys
 
 import torch
 
-from bench_fp8_gemms import routed_group_sizes, time_ms
+from bench_fp8_gemms import routed_group_sizes, save_json, time_ms
 from moepass.harness.provenance import git_commit, package_version
 from moepass.ops.lowp.fp8_rowwise import quant
 from moepass.ops.lowp.fp8_rowwise.kernels import triton_token_group_cols as triton_ops
@@ -100,10 +98,7 @@ def main(argv=None) -> int:
         print(f"{model:<10} M={m} D={d:<5} max group {max(sizes):<6} " + "  ".join(f"{k}: {row['ms'][k]:.3f} ({row['gb_s'][k]:.0f})"
                                                      for k in impls), flush=True)
         del t, ref_q
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_json(result, args.out)
     return 0
 
 
