@@ -9,7 +9,8 @@ output row once, in a fixed order (ops/rows/segment_sum.py).
 
 This pass runs on each graph Inductor compiles (forward and backward), after AOTAutograd: there every spelling of the
 sum (index_add, index_put with accumulate, scatter_add, and the backward of x[idx], index_select and gather) is one of
-three aten ops. It rewrites one when:
+three aten ops; torchtitan's combine calls its own `torchtitan::deterministic_scatter_add` (a scatter_add made
+deterministic: so is this sum). It rewrites one when:
 - it adds into a zero tensor [n, D] (a fresh one: these ops are functional), along dim 0, with one 1-D integer index;
 - its rows are float [M, D] and n is known at compile time;
 - the graph runs on a device `segment_sums.devices` allows ("cuda": where the Triton kernel runs).
@@ -80,6 +81,11 @@ def _scatter_add(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, fx.N
         index = _column(expanded)
         if dim != 0 or index is None:
             return None
+    elif _is_op(node.target, "torchtitan", "deterministic_scatter_add"):  # scatter_add along dim 0, made deterministic
+        zeros, expanded, values = node.args
+        index = _column(expanded)
+        if index is None:
+            return None
     else:
         return None
     out, rows, idx = (tensor_meta(n) for n in (node, values, index))
@@ -94,6 +100,11 @@ def _scatter_add(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, fx.N
     if rows.shape[1] != out.shape[1] or not _zeros(zeros):
         return None
     return zeros, index, values
+
+
+def _is_op(target, namespace: str, name: str) -> bool:
+    """An op found by its name, from a library moepass does not import."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == namespace and target._opname == name
 
 
 def _column(expanded) -> fx.Node | None:

@@ -75,6 +75,25 @@ def test_gather_backwards_become_segment_sums_and_the_default_leaves_cpu_graphs(
         assert _compiled_ops(_gathers, (x, idx), devices)[1] == {"forward": 0, "backward": 0}
 
 
+def test_torchtitans_deterministic_scatter_add_becomes_a_segment_sum():
+    """torchtitan's combine (LocalTokenDispatcher.combine): its own op over zeros, the index expanded over the
+    columns."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.ops.scatter_add import deterministic_scatter_add
+
+    def combine(x, y, idx):
+        return (deterministic_scatter_add(torch.zeros_like(x), idx.reshape(-1, 1).expand(-1, D), y),)
+
+    x, y, idx = _inputs()
+    (out,), counts = _compiled_ops(combine, (x, y, idx), "all")
+    assert counts == {"forward": 1, "backward": 0}, counts
+    grad = y.grad.clone()
+    y.grad = None
+    combine(x, y, idx)[0].sum().backward()
+    torch.testing.assert_close(out, combine(x, y, idx)[0])
+    torch.testing.assert_close(grad, y.grad)
+
+
 def test_the_op_sums_rows_by_index_in_fp32_and_rounds_once():
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(40, 8, generator=gen).to(torch.bfloat16)
