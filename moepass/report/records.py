@@ -274,6 +274,7 @@ class Report:
         for p in self.pass_totals():
             impl = "; ".join(f"{k}: {v}" for k, v in p.implementations.items()) or "-"
             lines.append(f"{p.name:<19} {len(p.rewrites):>8} {len(p.skipped):>8} {p.ms:>8.1f}  {impl}")
+        lines += self._inside_inductor()
         if len(self.graphs) > 1:
             lines += self._graph_rows(max_graphs)
         folded = self.folded_gemms()
@@ -288,6 +289,15 @@ class Report:
             lines += _at_most([f"  [{name}] {f.modules or '<top>'}{f' (x{f.nodes})' if f.nodes > 1 else ''}: "
                                f"{f.outcome}" for name, f in skips], max_lines)
         return "\n".join(lines)
+
+    def _inside_inductor(self) -> list[str]:
+        """What moepass rewrote inside Inductor, from the compiled graphs' audit (inductor_stage/segment_sums.py)."""
+        sums = {kind: sum(c["ops"].get("moepass.segment_sum_rows", 0) for c in self.compiled if c["kind"] == kind)
+                for kind in ("forward", "backward")}
+        if not any(sums.values()):
+            return []
+        return [f"inside Inductor: {sum(sums.values())} scatter-add(s) of rows as segment sums ({sums['forward']} "
+                f"forward, {sums['backward']} backward; option segment_sums.devices)"]
 
     def _graph_rows(self, max_graphs: int) -> list[str]:
         width = min(40, max(len(g.where()) for g in self.graphs))

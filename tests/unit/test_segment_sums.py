@@ -131,5 +131,6 @@ def test_a_moe_model_step_sums_its_combine_and_gather_gradients_as_segments():
     counts = {c["kind"]: c["ops"].get("moepass.segment_sum_rows", 0) for c in report.compiled}
     # the forward's combine; the backward's sum of the gathered rows' gradients (the dgrads of w1 and w3)
     assert counts == {"forward": 1, "backward": 1}, counts
+    assert "inside Inductor: 2 scatter-add(s) of rows as segment sums (1 forward, 1 backward" in report.summary()
     torch.testing.assert_close(loss, eager, rtol=1e-3, atol=1e-3)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
