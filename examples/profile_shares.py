@@ -10,7 +10,7 @@ one more MoE layer's time per kind is (deep - shallow) / (layers between them) p
   gemm           tensor-core GEMMs: CUTLASS, cuBLAS (nvjet, sm90_xmma, gemm), FP8 ones included
   quantization   moepass's Triton quantization kernels, and Inductor kernels that only cast to or from FP8
   optimizer      the fused/foreach optimizer kernels
-  permute/gather index, gather, scatter, sort, top-k: routing tokens to experts and back
+  permute/gather index, gather, scatter, sort, top-k, segment sums: routing tokens to experts and back
   swiglu         Inductor kernels around SiLU (forward and backward), FP8 casts fused into them included
   rest           norms, rope, embedding, loss, elementwise
 Inductor fuses quantization into producers, so "quantization" counts only what runs apart; the kernels where a cast
@@ -33,7 +33,7 @@ KINDS = (
                                 r"(quantize_rows|rows_and_cols|expert_weights)_\d+$", re.I)),
     ("optimizer", re.compile(r"multi_tensor_apply|adam|foreach", re.I)),
     ("swiglu", re.compile(r"silu", re.I)),
-    ("permute/gather", re.compile(r"index|gather|scatter|sort|topk|radix|put", re.I)),
+    ("permute/gather", re.compile(r"index|gather|scatter|sort|topk|radix|put|segment_sum", re.I)),
 )
 
 
