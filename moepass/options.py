@@ -148,6 +148,9 @@ class SegmentSums:
     devices: Literal["cuda", "all", "none"] = option(
         "cuda", "where the rewrite runs; cuda: CUDA graphs (a Triton kernel), all: also elsewhere (torch's "
                 "index_add, for tests), none: never (Inductor's atomic adds)")
+    permutations: Literal["kernel", "gather"] = option(
+        "kernel", "sums along a routing permutation (index = sort indices // top_k); gather: a gather-sum Inductor "
+                  "fuses with the rows' producers, on any device; kernel: as the other sums")
 
 
 SECTIONS: dict[str, type] = {"": Core, "inductor": Inductor, "lowp": Lowp, "auto": Auto,

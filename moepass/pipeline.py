@@ -135,6 +135,7 @@ class InductorHandoff:
     decompositions: dict  # the recipes' decompositions, added to Inductor's table (they are in no cache key...)
     variant: str  # ...so the options they read go into the audit's uuid (registry.cache_variant)
     segment_sums: tuple[str, ...]  # the device types whose scatter-adds of rows become segment sums
+    permutation_gathers: bool  # sums along a routing permutation as gather-sums, in the joint graph
 
     def audit(self, rewritten: RewrittenGraph) -> CompiledGraphAudit:
         """The audit of one rewritten graph: each graph Inductor compiles from it (the forward now, the backward at
@@ -144,12 +145,14 @@ class InductorHandoff:
     def inductor_config(self, audit: CustomGraphPass) -> dict:
         """INDUCTOR_STAGE's config entries for one compile: a fresh joint-graph pass, the segment sums then `audit` in
         the post-grad slot."""
-        return {"joint_custom_pre_pass": SavedForBackward(),
+        return {"joint_custom_pre_pass": SavedForBackward(self.permutation_gathers),
                 "post_grad_custom_post_pass": PostGrad(self.segment_sums, audit)}
 
 
 def inductor_handoff(config: Config, weights_sharded: bool) -> InductorHandoff:
     """The handoff to Inductor of graphs whose GEMMs' weights are (or are not) sharded by FSDP2."""
     settled = registry.settle(config, weights_sharded)
-    devices = {"cuda": ("cuda",), "all": ("cuda", "cpu", "xpu"), "none": ()}[config.section("segment_sums").devices]
-    return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled), devices)
+    sums = config.section("segment_sums")
+    devices = {"cuda": ("cuda",), "all": ("cuda", "cpu", "xpu"), "none": ()}[sums.devices]
+    return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled), devices,
+                           sums.permutations == "gather")

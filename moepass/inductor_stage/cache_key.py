@@ -95,6 +95,8 @@ class CompiledGraphAudit(CustomGraphPass):
                 # collectives too: under activation checkpointing the backward must not send tokens again
                 if t.namespace in ("moepass", "_c10d_functional") or t._opname in GEMMS:
                     ops[f"{t.namespace}.{t._opname}"] += 1
+            if n.meta.get("moepass_rewrite"):  # aten nodes a moepass rewrite made (permutation_sums)
+                ops[f"moepass.{n.meta['moepass_rewrite']}"] += 1
         self.sink.append({"kind": graph_kind(graph), "ops": dict(sorted(ops.items()))})
         if self.on_compiled is not None:
             try:

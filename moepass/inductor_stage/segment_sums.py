@@ -42,7 +42,7 @@ def rewrite(graph: fx.Graph, devices: tuple[str, ...]) -> list[str]:
 
     done = []
     for node in list(graph.nodes):
-        found = _scatter_add(node, devices)
+        found = scatter_add(node, devices)
         if found is None:
             continue
         zeros, index, values = found
@@ -63,8 +63,9 @@ def rewrite(graph: fx.Graph, devices: tuple[str, ...]) -> list[str]:
     return done
 
 
-def _scatter_add(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, fx.Node, fx.Node] | None:
-    """(zeros, index, values) when `node` is a scatter-add of rows into zeros this pass rewrites."""
+def scatter_add(node: fx.Node, devices: tuple[str, ...] | None) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(zeros, index, values) when `node` is a scatter-add of rows into zeros this pass rewrites on `devices` (device
+    types; None: any)."""
     if node.op != "call_function":
         return None
     if node.target is aten.index_put.default:
@@ -89,7 +90,7 @@ def _scatter_add(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, fx.N
     else:
         return None
     out, rows, idx = (tensor_meta(n) for n in (node, values, index))
-    if out is None or rows is None or idx is None or out.device.type not in devices:
+    if out is None or rows is None or idx is None or (devices is not None and out.device.type not in devices):
         return None
     if out.dim() != 2 or rows.dim() != 2 or not out.dtype.is_floating_point or rows.dtype != out.dtype:
         return None

@@ -292,12 +292,16 @@ class Report:
 
     def _inside_inductor(self) -> list[str]:
         """What moepass rewrote inside Inductor, from the compiled graphs' audit (inductor_stage/segment_sums.py)."""
-        sums = {kind: sum(c["ops"].get("moepass.segment_sum_rows", 0) for c in self.compiled if c["kind"] == kind)
-                for kind in ("forward", "backward")}
-        if not any(sums.values()):
-            return []
-        return [f"inside Inductor: {sum(sums.values())} scatter-add(s) of rows as segment sums ({sums['forward']} "
-                f"forward, {sums['backward']} backward; option segment_sums.devices)"]
+        lines = []
+        for op, what, option in (("segment_sum_rows", "segment sums", "segment_sums.devices"),
+                                 ("permutation_gather_sum", "gather-sums along a routing permutation",
+                                  "segment_sums.permutations")):
+            sums = {kind: sum(c["ops"].get(f"moepass.{op}", 0) for c in self.compiled if c["kind"] == kind)
+                    for kind in ("forward", "backward")}
+            if any(sums.values()):
+                lines.append(f"inside Inductor: {sum(sums.values())} scatter-add(s) of rows as {what} "
+                             f"({sums['forward']} forward, {sums['backward']} backward; option {option})")
+        return lines
 
     def _graph_rows(self, max_graphs: int) -> list[str]:
         width = min(40, max(len(g.where()) for g in self.graphs))

@@ -94,6 +94,48 @@ def test_torchtitans_deterministic_scatter_add_becomes_a_segment_sum():
     torch.testing.assert_close(grad, y.grad)
 
 
+def _routed(x, w, scores, top_k: int = 2):
+    """An MoE's permute and combine as models/moe.py writes them: slots sorted by expert, token = slot // top_k."""
+    expert_of_slot = scores.topk(top_k, dim=-1).indices.view(-1)
+    token_of_slot = torch.argsort(expert_of_slot, stable=True) // top_k
+    rows = (x[token_of_slot] @ w).float()
+    return (torch.zeros(x.shape[0], w.shape[1]).index_add(0, token_of_slot, rows),)
+
+
+def test_sums_along_a_routing_permutation_become_fused_gather_sums():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(12, D, generator=gen, requires_grad=True)
+    w = torch.randn(D, D, generator=gen, requires_grad=True)
+    scores = torch.randn(12, 4, generator=gen)
+    with moepass.collecting() as report, compile_caches_off():
+        compiled = torch.compile(_routed, backend="moepass",
+                                 options={"passes": [], "segment_sums.permutations": "gather"})
+        (out,) = compiled(x, w, scores)
+        out.sum().backward()
+    counts = {c["kind"]: c["ops"].get("moepass.permutation_gather_sum", 0) for c in report.compiled}
+    assert counts == {"forward": 1, "backward": 1}, counts  # the combine; the gradient of x[token_of_slot]
+    assert "2 scatter-add(s) of rows as gather-sums along a routing permutation" in report.summary()
+    grads = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    (expected,) = _routed(x, w, scores)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, [x.grad, w.grad]):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_index_that_is_no_permutation_stays_with_the_segment_sums():
+    def combine(y, idx):  # 24 rows into 12: two a token on average, but any number each
+        return (torch.zeros(12, D).index_add(0, idx, y),)
+
+    gen = torch.Generator().manual_seed(3)
+    y, idx = torch.randn(24, D, generator=gen, requires_grad=True), torch.randint(0, 12, (24,), generator=gen)
+    with moepass.collecting() as report, compile_caches_off():
+        torch.compile(combine, backend="moepass", options={
+            "passes": [], "segment_sums.permutations": "gather", "segment_sums.devices": "all"})(y, idx)
+    assert report.compiled[0]["ops"] == {"moepass.segment_sum_rows": 1}, report.compiled
+
+
 def test_the_op_sums_rows_by_index_in_fp32_and_rounds_once():
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(40, 8, generator=gen).to(torch.bfloat16)
