@@ -1,5 +1,6 @@
 """moepass::segment_sum_rows on CUDA (the Triton kernel): sums equal to an fp64 sum rounded once, the same bits on
-every run, and a compiled MoE-style combine and gather whose scatter-adds become segment sums by default on CUDA."""
+every run, a compiled MoE-style combine and gather whose scatter-adds become segment sums by default on CUDA, and the
+opt-in gather-sums along a routing permutation."""
 
 from __future__ import annotations
 
@@ -47,6 +48,34 @@ def test_compiled_combine_and_gather_backward_use_segment_sums_on_cuda_by_defaul
     grad = x.grad.clone()
     x.grad = None
     expected = moe_like(x, w, idx)
+    expected.float().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad, x.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_routing_permutation_sums_as_gather_sums_equal_eager():
+    """segment_sums.permutations: gather on CUDA: Inductor's Triton reduction over the inverse permutation, fused with
+    the GEMM that makes the rows, gives eager's sums."""
+    d, tokens, top_k, experts = 256, 64, 4, 8
+
+    def routed(x, w, scores):
+        token_of_slot = torch.argsort(scores.topk(top_k, dim=-1).indices.view(-1), stable=True) // top_k
+        y = (x[token_of_slot] @ w).float()
+        return torch.zeros(tokens, d, device=x.device).index_add(0, token_of_slot, y).bfloat16()
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    w = torch.randn(d, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    scores = torch.randn(tokens, experts, device="cuda", generator=gen)
+    with moepass.collecting() as report, compile_caches_off():
+        out = torch.compile(routed, backend="moepass",
+                            options={"passes": [], "segment_sums.permutations": "gather"})(x, w, scores)
+        out.float().sum().backward()
+    counts = {c["kind"]: c["ops"].get("moepass.permutation_gather_sum", 0) for c in report.compiled}
+    assert counts == {"forward": 1, "backward": 1}, counts
+    grad = x.grad.clone()
+    x.grad = None
+    expected = routed(x, w, scores)
     expected.float().sum().backward()
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad, x.grad, rtol=2e-2, atol=2e-2)
