@@ -29,53 +29,36 @@ def test_kernel_sums_in_fp32_rounds_once_and_repeats_bit_for_bit(m, d, n, srcs):
     torch.testing.assert_close(got.cpu(), cpu, rtol=2 ** -7, atol=1e-5)  # the torch path's index_add, same sums
 
 
-def test_compiled_combine_and_gather_backward_use_segment_sums_on_cuda_by_default():
-    d, tokens, top_k = 256, 64, 4
+D, TOKENS, TOP_K, EXPERTS = 256, 64, 4, 8
 
-    def moe_like(x, w, idx):
-        y = (x[idx] @ w).float()
-        return torch.zeros(tokens, d, device=x.device).index_add(0, idx, y).bfloat16()
 
+def _routed(x, w, scores, token_of_slot=None):
+    """An MoE's permute and combine; token_of_slot None: computed here, so its sort is in the graph."""
+    if token_of_slot is None:
+        token_of_slot = torch.argsort(scores.topk(TOP_K, dim=-1).indices.view(-1), stable=True) // TOP_K
+    y = (x[token_of_slot] @ w).float()
+    return torch.zeros(TOKENS, D, device=x.device).index_add(0, token_of_slot, y).bfloat16()
+
+
+@pytest.mark.parametrize("options, op, sort_in_graph", [
+    ({}, "segment_sum_rows", False),  # the default on CUDA: the Triton kernel
+    ({"segment_sums.permutations": "gather"}, "permutation_gather_sum", True),  # Inductor's fused reduction
+])
+def test_compiled_combine_and_gather_backward_sums_equal_eager(options, op, sort_in_graph):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
-    w = torch.randn(d, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
-    idx = torch.argsort(torch.randint(0, 8, (tokens * top_k,), device="cuda", generator=gen), stable=True) // top_k
+    x = torch.randn(TOKENS, D, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    w = torch.randn(D, D, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    scores = torch.randn(TOKENS, EXPERTS, device="cuda", generator=gen)
+    index = None if sort_in_graph else torch.argsort(
+        scores.topk(TOP_K, dim=-1).indices.view(-1), stable=True) // TOP_K
     with moepass.collecting() as report, compile_caches_off():
-        out = torch.compile(moe_like, backend="moepass", options={"passes": []})(x, w, idx)
+        out = torch.compile(_routed, backend="moepass", options={"passes": [], **options})(x, w, scores, index)
         out.float().sum().backward()
-    counts = {c["kind"]: c["ops"].get("moepass.segment_sum_rows", 0) for c in report.compiled}
-    assert counts == {"forward": 1, "backward": 1}, counts
+    counts = {c["kind"]: c["ops"].get(f"moepass.{op}", 0) for c in report.compiled}
+    assert counts == {"forward": 1, "backward": 1}, counts  # the combine; the gradient of x[token_of_slot]
     grad = x.grad.clone()
     x.grad = None
-    expected = moe_like(x, w, idx)
-    expected.float().sum().backward()
-    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(grad, x.grad, rtol=2e-2, atol=2e-2)
-
-
-def test_compiled_routing_permutation_sums_as_gather_sums_equal_eager():
-    """segment_sums.permutations: gather on CUDA: Inductor's Triton reduction over the inverse permutation, fused with
-    the GEMM that makes the rows, gives eager's sums."""
-    d, tokens, top_k, experts = 256, 64, 4, 8
-
-    def routed(x, w, scores):
-        token_of_slot = torch.argsort(scores.topk(top_k, dim=-1).indices.view(-1), stable=True) // top_k
-        y = (x[token_of_slot] @ w).float()
-        return torch.zeros(tokens, d, device=x.device).index_add(0, token_of_slot, y).bfloat16()
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
-    w = torch.randn(d, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
-    scores = torch.randn(tokens, experts, device="cuda", generator=gen)
-    with moepass.collecting() as report, compile_caches_off():
-        out = torch.compile(routed, backend="moepass",
-                            options={"passes": [], "segment_sums.permutations": "gather"})(x, w, scores)
-        out.float().sum().backward()
-    counts = {c["kind"]: c["ops"].get("moepass.permutation_gather_sum", 0) for c in report.compiled}
-    assert counts == {"forward": 1, "backward": 1}, counts
-    grad = x.grad.clone()
-    x.grad = None
-    expected = routed(x, w, scores)
+    expected = _routed(x, w, scores, index)
     expected.float().sum().backward()
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad, x.grad, rtol=2e-2, atol=2e-2)
