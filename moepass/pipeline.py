@@ -134,7 +134,7 @@ class InductorHandoff:
     """What Inductor gets from moepass under one Config, its recipes' "auto" options settled (registry.settle)."""
     decompositions: dict  # the recipes' decompositions, added to Inductor's table (they are in no cache key...)
     variant: str  # ...so the options they read go into the audit's uuid (registry.cache_variant)
-    segment_sums: tuple[str, ...]  # the device types whose scatter-adds of rows become segment sums
+    segment_sums: tuple[str, ...] | None  # the device types whose scatter-adds of rows become segment sums; None: any
     permutation_gathers: bool  # sums along a routing permutation as gather-sums, in the joint graph
 
     def audit(self, rewritten: RewrittenGraph) -> CompiledGraphAudit:
@@ -153,6 +153,6 @@ def inductor_handoff(config: Config, weights_sharded: bool) -> InductorHandoff:
     """The handoff to Inductor of graphs whose GEMMs' weights are (or are not) sharded by FSDP2."""
     settled = registry.settle(config, weights_sharded)
     sums = config.section("segment_sums")
-    devices = {"cuda": ("cuda",), "all": ("cuda", "cpu", "xpu"), "none": ()}[sums.devices]
+    devices = {"cuda": ("cuda",), "all": None, "none": ()}[sums.devices]
     return InductorHandoff(registry.decompositions(settled), registry.cache_variant(settled), devices,
                            sums.permutations == "gather")

@@ -17,12 +17,13 @@ log = logging.getLogger(__name__)
 
 
 class PostGrad(CustomGraphPass):
-    def __init__(self, segment_sum_devices: tuple[str, ...], audit: CustomGraphPass):
+    def __init__(self, segment_sum_devices: tuple[str, ...] | None, audit: CustomGraphPass):
+        # device types whose scatter-adds become segment sums (segment_sums.rewrite): None any, () none
         self.segment_sum_devices = segment_sum_devices
         self.audit = audit
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.segment_sum_devices:
+        if self.segment_sum_devices != ():
             try:
                 done = segment_sums.rewrite(graph, self.segment_sum_devices)
             except Exception as e:  # a rewrite is never worth failing a compile over: Inductor's atomic adds remain
@@ -33,4 +34,5 @@ class PostGrad(CustomGraphPass):
         self.audit(graph)
 
     def uuid(self) -> str:
-        return f"{self.audit.uuid()}-segment-sums-{'-'.join(self.segment_sum_devices) or 'none'}"
+        devices = self.segment_sum_devices
+        return f"{self.audit.uuid()}-segment-sums-{'any' if devices is None else '-'.join(devices) or 'none'}"

@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from ..analysis.graph import tensor_meta
+from ..ops.rows.segment_sum import MAX_SRCS  # importing it registers moepass::segment_sum_rows
 
 log = logging.getLogger(__name__)
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -36,10 +37,9 @@ EXTERN = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten._grouped_m
           aten._scaled_grouped_mm.default}
 
 
-def rewrite(graph: fx.Graph, devices: tuple[str, ...]) -> list[str]:
-    """Rewrite every scatter-add of rows into zeros on `devices` (device types); the names of those rewritten."""
-    from ..ops.rows.segment_sum import MAX_SRCS  # noqa: F401  (registers moepass::segment_sum_rows)
-
+def rewrite(graph: fx.Graph, devices: tuple[str, ...] | None) -> list[str]:
+    """Rewrite every scatter-add of rows into zeros on `devices` (device types; None: any); the names of those
+    rewritten."""
     done = []
     for node in list(graph.nodes):
         found = scatter_add(node, devices)
