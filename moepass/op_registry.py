@@ -61,15 +61,18 @@ class RowsForm:
     gemm: object  # OpOverloadPacket: moepass::<recipe>_grouped_mm_on_rows(x_q, x_scale, w_t, offs, ...), without x
     kernels: tuple[str, ...]  # the kernels (the ops' last argument) that have it
     fp8_wgrad_on_rows: bool  # an FP8 wgrad stays FP8 on saved FP8 rows (else it runs BF16 on them: RowGemms says why)
+    # OpOverloadPacket: moepass::<recipe>_swiglu_rows(gate, up, *settings, kernel) -> (h, q, scale, saved...), which
+    # makes the rows `quantize` makes of silu(gate) * up and keeps gate and up in FP8 (ops/lowp/swiglu_rows.py); None
+    swiglu: object = None
 
 
 _ROWS_FORMS: dict[object, RowsForm] = {}  # grouped forward OpOverloadPacket -> its rows form
 
 
 def register_rows_form(forward_op, quantize, grouped_mm, gemm, kernels: tuple[str, ...],
-                       fp8_wgrad_on_rows: bool) -> None:
+                       fp8_wgrad_on_rows: bool, swiglu=None) -> None:
     _ROWS_FORMS[_packet(forward_op)] = RowsForm(_packet(quantize), _packet(grouped_mm), _packet(gemm), kernels,
-                                                fp8_wgrad_on_rows)
+                                                fp8_wgrad_on_rows, None if swiglu is None else _packet(swiglu))
 
 
 def rows_form(op) -> RowsForm | None:
@@ -81,6 +84,12 @@ def is_rows_form(op) -> bool:
     """A moepass::<recipe>_grouped_mm_rows (or its GEMM without x): an op that already reads quantized rows."""
     packet = _packet(op)
     return any(packet is form.grouped_mm or packet is form.gemm for form in _ROWS_FORMS.values())
+
+
+def quantize_rows_form(op) -> RowsForm | None:
+    """The rows form whose quantization `op` is (a moepass::<recipe>_quantize_rows), or None."""
+    packet = _packet(op)
+    return next((form for form in _ROWS_FORMS.values() if packet is form.quantize), None)
 
 
 def is_quantize_rows(op) -> bool:

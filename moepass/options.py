@@ -133,6 +133,9 @@ class Auto:
 class QuantizeOnce:
     saved_rows: Literal["auto", "fp8", "bf16"] = option(
         "auto", "rows quantize_once keeps for the experts' wgrad; auto: fp8 unless that turns an FP8 wgrad into BF16")
+    swiglu_inputs: Literal["bf16", "fp8"] = option(
+        "bf16", "what the SwiGLU before an expert GEMM keeps for its backward; fp8: gate and up in e4m3 (1x128 "
+                "tiles), written with w2's FP8 rows by one fused op")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,10 @@ class SkipCode(enum.Enum):
                            "fp8_rowwise's row scale are; MXFP8's 1x32 power-of-two scales are not), or the hidden "
                            "size is not a multiple of 128", "`quantize_once.saved_rows: fp8`; recipe `blockwise` or "
                            "`fp8_rowwise`; `deepep.backend: reference` to send any scales over torch.distributed")
+    SWIGLU_STAYS_BF16 = ("quantize_once", "SwiGLU inputs stay BF16", "`quantize_once.swiglu_inputs: fp8` asked for "
+                         "the SwiGLU making an expert GEMM's rows to keep gate and up in FP8, but gate, up or its "
+                         "output is read by more than that SwiGLU and the GEMM, or they are not BF16 [M, K], or the "
+                         "recipe has no fused SwiGLU", "-")
     # ---- weights_before_gemm
     OUTPUT_READ_ELSEWHERE = ("weights_before_gemm", "unweighted output is also read", "the GEMM's output is read "
                              "besides its product with the routing weights (returned, logged, another op), so the "

@@ -39,7 +39,8 @@ from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.emit import Emitter
 from moepass.analysis.graph import example_value, replace_node, tensor_meta
 from moepass.analysis.node_module import module_path
-from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, rows_form
+from moepass.analysis.swiglu import swiglu_of
+from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, quantize_rows_form, rows_form
 from moepass.ops.ep import deepep
 from moepass.skips import Reason, SkipCode
 
@@ -86,6 +87,10 @@ def run(gm: fx.GraphModule, config, record) -> None:
                         del quantized[key]
             for quant in [n for n in scope.graph.nodes if n.op == "call_function" and is_quantize_rows(n.target)]:
                 _or_leave(scope.graph, quant, record, _move_before_dispatch, scope.graph, quant, record)
+            if config.section("quantize_once").swiglu_inputs == "fp8":
+                for quant in [n for n in scope.graph.nodes
+                              if n.op == "call_function" and is_quantize_rows(n.target)]:
+                    _or_leave(scope.graph, quant, record, _fuse_swiglu, scope.graph, quant, record)
 
 
 def _or_leave(graph: fx.Graph, node: fx.Node, record, rewrite, *args) -> None:
@@ -182,6 +187,111 @@ def bf16_rows_of(node: fx.Node) -> fx.Node | None:
     if node.target == "to" and any(not isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
         return None  # a device move or a memory-format change: not these rows' bytes, leave it
     return source
+
+
+# ---------------------------------------------------------------- the SwiGLU making the rows
+
+
+def _fuse_swiglu(graph: fx.Graph, quant: fx.Node, record) -> None:
+    """quant = <recipe>_quantize_rows(detach(x)) with x = silu(gate) * up (times a routing-weight column, as
+    weights_before_gemm leaves it) read only by rows-form GEMMs keeping FP8 rows -> <recipe>_swiglu_rows(gate, up,
+    weight): the same rows and scales, gate and up kept in FP8 for the backward, and a gradient carrier in x's place
+    (ops/lowp/swiglu_rows.py)."""
+    detach = quant.args[0]
+    x = detach.args[0] if isinstance(detach, fx.Node) and detach.target == "detach" else None
+    if not isinstance(x, fx.Node):
+        return
+    h, weight, weighting = _unweighted(x)
+    found = swiglu_of(h)
+    if found is None:
+        return
+    gate, up, chain = found
+    chain += weighting
+    module = module_path(x) or module_path(quant)
+    problem = _swiglu_problem(quant, detach, gate, up, chain)
+    if problem:
+        record.skip(x, module, Reason(SkipCode.SWIGLU_STAYS_BF16, f"SwiGLU inputs stay BF16: {problem}"))
+        return
+    emit = Emitter(graph, example_value(gate).fake_mode)
+    with graph.inserting_before(x):
+        fused = emit(quantize_rows_form(quant.target).swiglu.default, gate, up, weight, *quant.args[1:])
+        carrier, q, scale = (emit(operator.getitem, fused, i) for i in range(3))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in h.meta:
+            fused.meta[key] = h.meta[key]
+    for user in list(quant.users):  # getitem(quant, 0) and (quant, 1)
+        user.replace_all_uses_with(q if user.args[1] == 0 else scale)
+        graph.erase_node(user)
+    graph.erase_node(quant)
+    graph.erase_node(detach)
+    x.replace_all_uses_with(carrier)  # the GEMMs' x: the rows' gradient flows back through the fused op
+    for node in reversed(chain):
+        graph.erase_node(node)
+    weighted = " and the routing weights" if weight is not None else ""
+    record.replace(fused, module, f"moepass.{fused.target.name().split('::')[-1]}",
+                   f"SwiGLU{weighted} fused with the rows' quantization; gate and up kept in FP8 for its backward")
+
+
+def _unweighted(x: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
+    """(h, w, the nodes from h to x, x last) when x = h * w with w a [M, 1] column, through float casts
+    (weights_before_gemm's `(h.float() * w).bfloat16()`); else (x, None, [])."""
+    nodes, y = [], x
+    source = _cast_source(y)
+    if source is not None:
+        nodes, y = [y], source
+    if not (_is_mul(y) and len(y.args) == 2 and not y.kwargs):
+        return x, None, []
+    rows = tensor_meta(x)
+    for a, w in (y.args, y.args[::-1]):
+        meta = tensor_meta(w) if isinstance(w, fx.Node) else None
+        if isinstance(a, fx.Node) and meta is not None and rows is not None \
+                and tuple(meta.shape) == (rows.shape[0], 1) and meta.dtype.is_floating_point:
+            h = _cast_source(a)
+            return (a, w, [y, *nodes]) if h is None else (h, w, [a, y, *nodes])
+    return x, None, []
+
+
+def _is_mul(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in (operator.mul, torch.mul, "mul")
+
+
+def _cast_source(node: fx.Node) -> fx.Node | None:
+    """The input of a float-to-float dtype cast of the same shape, else None."""
+    if node.op != "call_method" or node.target not in ("to", "float", "bfloat16") or not node.args:
+        return None
+    src, out = tensor_meta(node.args[0]), tensor_meta(node)
+    if src is None or out is None or tuple(src.shape) != tuple(out.shape) or not src.dtype.is_floating_point:
+        return None
+    if node.target == "to" and any(not isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return None
+    return node.args[0]
+
+
+def _swiglu_problem(quant, detach, gate, up, chain) -> str | None:
+    """Why chain (gate and up to x = chain[-1]) cannot become the fused op, or None."""
+    x = chain[-1]
+    if quantize_rows_form(quant.target).swiglu is None:
+        return f"{quant.target.name()}'s recipe has no fused SwiGLU"
+    metas = [tensor_meta(n) for n in (gate, up, x)]
+    if any(m is None for m in metas):
+        return "no recorded tensor metadata"
+    if any(m.dtype != torch.bfloat16 or len(m.shape) != 2 or tuple(m.shape) != tuple(metas[0].shape) for m in metas):
+        return f"gate, up and the rows must be bfloat16 [M, K]; got {[(m.dtype, tuple(m.shape)) for m in metas]}"
+    if set(detach.users) != {quant} or any(u.target is not operator.getitem for u in quant.users):
+        return "the quantized rows are read other than as the GEMM's operand"
+    for user in x.users:
+        takes_rows = is_rows_form(user.target) and user.args[0] is x and x not in user.args[1:] \
+            and user.args[5] is True
+        if user is not detach and not takes_rows:
+            return f"{x.name} is read by {user.name}, not only by expert GEMMs keeping FP8 rows"
+    inside = set(chain)
+    for node in chain[:-1]:
+        if not set(node.users) <= inside:
+            return f"{node.name} (inside the SwiGLU) is read elsewhere"
+    for name, node in (("gate", gate), ("up", up)):
+        if not set(node.users) <= inside:
+            return f"{name} ({node.name}) is read elsewhere too, so its BF16 values are kept anyway"
+    return None
 
 
 # ---------------------------------------------------------------- before an EP dispatch

@@ -39,6 +39,7 @@ from .gemm_args import check_bf16
 from .autocast_off import autocast_off
 from .grouped_mm import check_grouped, check_wgrad, weight_grad
 from .grouped_wgrad_bf16 import as_transposed_layout
+from .swiglu_rows import SwiGLURows, define_swiglu_rows_op
 from .op_recipe import RecipeGemms, check_dims, define_op, split_forward_args
 
 
@@ -59,6 +60,8 @@ class RowGemms:
     # (grad_out, q, scale, offs, *settings, kernel) -> grad_w_t: that FP8 wgrad reading the saved rows in FP8, equal
     # to the recipe's wgrad on dequantize(q, scale) (moepass::<recipe>_grouped_mm_wgrad_on_rows); None: that wgrad
     wgrad: Callable | None = None
+    # the SwiGLU making w2's rows, fused with their quantization and keeping its inputs in FP8 (swiglu_rows.py)
+    swiglu: SwiGLURows | None = None
 
 
 def _check_quantized(op: str, rows: RowGemms, q: Tensor, scale: Tensor, like: Tensor) -> None:
@@ -128,8 +131,11 @@ def define_grouped_mm_rows_ops(recipe: Recipe, gemms: RecipeGemms, rows: RowGemm
         register_gemm(gemm_op, "grouped", "forward")
     if rows.wgrad is not None:
         _define_wgrad_on_rows(recipe, gemms, rows)
+    if rows.swiglu is not None:
+        define_swiglu_rows_op(recipe, rows.swiglu, rows.kernels)
+    swiglu = recipe.op("swiglu_rows") if rows.swiglu is not None else None
     register_rows_form(recipe.op("grouped_mm"), recipe.op("quantize_rows"), recipe.op("grouped_mm_rows"),
-                       recipe.op("grouped_mm_on_rows"), rows.kernels, rows.fp8_wgrad_on_rows)
+                       recipe.op("grouped_mm_on_rows"), rows.kernels, rows.fp8_wgrad_on_rows, swiglu)
 
 
 def _define_wgrad_on_rows(recipe: Recipe, gemms: RecipeGemms, rows: RowGemms) -> None:

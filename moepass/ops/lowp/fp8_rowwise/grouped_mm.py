@@ -18,7 +18,9 @@ from ..formats import E4M3
 from ..grouped_mm_rows import RowGemms
 from ..grouped_wgrad_bf16 import as_transposed_layout
 from ..op_recipe import RecipeGemms
+from ..swiglu_rows import SwiGLURows
 from . import quant
+from .kernels import swiglu
 from .decomp import grouped_mm_wgrad, grouped_mm_wgrad_on_rows
 from .kernels.choice import check_settings
 from .kernels.scaled_gemms import scaled_grouped_mm, zero_rows_after_last_group
@@ -91,5 +93,6 @@ def _rows_quantize(x: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
 # registered as ops by recipe.py
 GEMMS = RecipeGemms(forward, dgrad, wgrad, check_settings)
 # rows quantized before their gather: one power-of-two scale per row, so dequantization is exact
+SWIGLU = SwiGLURows(swiglu.forward, swiglu.backward, lambda k: 1, lambda k: k // swiglu.tile_width(k))
 ROWS = RowGemms(_rows_quantize, forward_rows, quant.dequantize, lambda k: 1, kernels=("scaled_mm", "emulated"),
-                fp8_wgrad_on_rows=True, wgrad=wgrad_on_rows)
+                fp8_wgrad_on_rows=True, wgrad=wgrad_on_rows, swiglu=SWIGLU)

@@ -6,5 +6,7 @@ both_layouts.py: the ops moepass::fp8_rowwise_expert_weights and _rows_and_cols 
 layouts its GEMMs read), on the Triton kernels of triton_both_layouts.py;
 token_group_cols.py: the op moepass::fp8_rowwise_token_group_cols (the grouped wgrad's padded operand layout), on the
 Triton kernel of triton_token_group_cols.py;
+swiglu.py: an expert MLP's SwiGLU fused with the quantization of w2's rows, keeping gate and up in FP8 (the body of
+moepass::fp8_rowwise_swiglu_rows, which ops/lowp/swiglu_rows.py registers), on the Triton kernel of triton_swiglu.py;
 triton_zero_rows.py: the Triton kernel zeroing the grouped GEMMs' rows after the last token group.
 """
