@@ -233,22 +233,29 @@ def _fuse_swiglu(graph: fx.Graph, quant: fx.Node, record) -> None:
 
 
 def _unweighted(x: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
-    """(h, w, the nodes from h to x, x last) when x = h * w with w a [M, 1] column, through float casts
-    (weights_before_gemm's `(h.float() * w).bfloat16()`); else (x, None, [])."""
-    nodes, y = [], x
-    source = _cast_source(y)
-    if source is not None:
-        nodes, y = [y], source
-    if not (_is_mul(y) and len(y.args) == 2 and not y.kwargs):
-        return x, None, []
-    rows = tensor_meta(x)
-    for a, w in (y.args, y.args[::-1]):
-        meta = tensor_meta(w) if isinstance(w, fx.Node) else None
-        if isinstance(a, fx.Node) and meta is not None and rows is not None \
-                and tuple(meta.shape) == (rows.shape[0], 1) and meta.dtype.is_floating_point:
-            h = _cast_source(a)
-            return (a, w, [y, *nodes]) if h is None else (h, w, [a, y, *nodes])
-    return x, None, []
+    """(h, w, the nodes from h to x, x last) when x = h * w with w a [M, 1] column, through casts between float32 and
+    bfloat16 (weights_before_gemm's `(h.float() * w).bfloat16()`, transformers' `proj_out.to(bf16)` before it); else
+    (h, None, the casts from h to x)."""
+    y, after = _uncast(x)
+    if _is_mul(y) and len(y.args) == 2 and not y.kwargs:
+        rows = tensor_meta(x)
+        for a, w in (y.args, y.args[::-1]):
+            meta = tensor_meta(w) if isinstance(w, fx.Node) else None
+            if isinstance(a, fx.Node) and meta is not None and rows is not None \
+                    and tuple(meta.shape) == (rows.shape[0], 1) and meta.dtype.is_floating_point:
+                h, before = _uncast(a)
+                return h, w, [*before, y, *after]
+    return y, None, after
+
+
+def _uncast(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the source of a chain of casts between float32 and bfloat16 ending at node, the casts in order)."""
+    casts = []
+    source = _cast_source(node)
+    while source is not None:
+        casts.insert(0, node)
+        node, source = source, _cast_source(source)
+    return node, casts
 
 
 def _is_mul(node: fx.Node) -> bool:
@@ -256,11 +263,15 @@ def _is_mul(node: fx.Node) -> bool:
 
 
 def _cast_source(node: fx.Node) -> fx.Node | None:
-    """The input of a float-to-float dtype cast of the same shape, else None."""
-    if node.op != "call_method" or node.target not in ("to", "float", "bfloat16") or not node.args:
+    """The input of a cast between float32 and bfloat16 (either way, or to its own dtype) of the same shape, else
+    None."""
+    if node.op != "call_method" or node.target not in ("to", "float", "bfloat16") or not node.args \
+            or not isinstance(node.args[0], fx.Node):
         return None
     src, out = tensor_meta(node.args[0]), tensor_meta(node)
-    if src is None or out is None or tuple(src.shape) != tuple(out.shape) or not src.dtype.is_floating_point:
+    widths = (torch.float32, torch.bfloat16)
+    if src is None or out is None or tuple(src.shape) != tuple(out.shape) or src.dtype not in widths \
+            or out.dtype not in widths:
         return None
     if node.target == "to" and any(not isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
         return None

@@ -286,6 +286,27 @@ def test_llama4_text_trains_with_an_in_place_add_on_a_rewritten_linears_output(i
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["DeepseekV3", "Mixtral"])  # chunked gate_up with routing weights; Mixtral's own
+def test_swiglu_inputs_fp8_fuses_each_moe_layers_experts_swiglu(name):
+    """quantize_once.swiglu_inputs "fp8" on transformers' own expert code: every MoE layer's SwiGLU (halves of one
+    gate_up GEMM, the routing weights after a no-op cast) becomes the fused op, and the loss is the default's."""
+    model = build(name)
+    ids = example_ids(model)
+    losses, fused = [], []
+    for extra in ({}, {"quantize_once.swiglu_inputs": "fp8"}):
+        torch._dynamo.reset()
+        with moepass.collecting() as report:
+            loss = torch.compile(model, backend="moepass", options={"recipe": "fp8_rowwise", **extra})(
+                input_ids=ids, labels=ids).loss
+            loss.backward()
+        losses.append(loss.item())
+        fused.append([r.module for p in report.pass_totals() for r in p.rewrites if r.op.endswith("_swiglu_rows")])
+    assert fused[0] == [] and len(fused[1]) == FAMILIES[name].moe_layers, fused
+    assert all(module.endswith("mlp.experts") for module in fused[1]), fused
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def families_table() -> str:
     """docs/integrations.md's table, from a live run of every family."""
     rows = ["| family | MoE layers | grouped GEMMs rewritten | linears rewritten | linears kept BF16 (why) |",
