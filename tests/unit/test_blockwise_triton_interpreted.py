@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,10 +17,9 @@ CLOSE_TO_EMULATED_DB = 40.0  # as tests/gpu/test_blockwise_gpu.py: the same quan
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_grouped_kernels_match_the_emulated_gemm_at_every_config():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok ") == 2 * 2 * 4, done.stdout  # 2 forms x 2 cases x 4 configs
+    from helpers import run_under_triton_interpreter  # the child runs this file without tests/ on its path
+
+    run_under_triton_interpreter(__file__, 2 * 2 * 4, timeout=600)  # 2 forms x 2 cases x 4 configs
 
 
 def _check() -> None:

@@ -11,9 +11,6 @@ compared with the same kernel on BF16 input, which goes through the same cast.""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,10 +21,9 @@ TOKEN_GROUP_CASES = [([10, 0, 50, 40], 7, 96), ([300, 3, 0], 0, 40)]
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_tile_amax_both_layouts_scales_and_token_groups_on_fp8_rows():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok ") == len(CASES) + len(TOKEN_GROUP_CASES), done.stdout
+    from helpers import run_under_triton_interpreter  # the child runs this file without tests/ on its path
+
+    run_under_triton_interpreter(__file__, len(CASES) + len(TOKEN_GROUP_CASES), timeout=600)
 
 
 def _check() -> None:

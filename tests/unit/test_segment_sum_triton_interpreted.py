@@ -6,9 +6,6 @@ is imported, so the checks run in a child process (this file run as a script).""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -17,10 +14,9 @@ CASES = [(50, 37, 90, 1), (64, 300, 20, 2), (7, 5, 30, 3), (0, 8, 4, 1)]  # [M r
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kernel_equals_the_torch_path():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok ") == len(CASES), done.stdout
+    from helpers import run_under_triton_interpreter  # the child runs this file without tests/ on its path
+
+    run_under_triton_interpreter(__file__, len(CASES))
 
 
 def _check() -> None:

@@ -8,9 +8,6 @@ imported, so the checks run in a child process (this file run as a script)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -19,10 +16,9 @@ CASES = [(5, 256, True), (3, 96, False), (4, 384, True), (1, 1408, False)]  # [M
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kernel_equals_the_torch_path():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok ") == len(CASES), done.stdout
+    from helpers import run_under_triton_interpreter  # the child runs this file without tests/ on its path
+
+    run_under_triton_interpreter(__file__, len(CASES))
 
 
 def _only_interpreter_casts_differ(got, want, scaled, step: bool = False) -> None:
