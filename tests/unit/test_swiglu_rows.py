@@ -139,3 +139,12 @@ def test_the_default_keeps_bf16_inputs():
     tokens = torch.randint(0, TINY["vocab_size"], (2, 32))
     _, _, report = _step(model, tokens, {"recipe": "fp8_rowwise"})
     assert not any(c["ops"].get("moepass.fp8_rowwise_swiglu_rows") for c in report.compiled)
+
+
+def test_no_rows_an_ep_rank_may_receive():
+    gate, up, weight = (t.requires_grad_() for t in (torch.zeros(0, 256).bfloat16(), torch.zeros(0, 256).bfloat16(),
+                                                     torch.zeros(0, 1)))
+    out = OP(gate, up, weight, "emulated")
+    assert [tuple(t.shape) for t in out] == [(0, 256), (0, 256), (0, 1), (0, 256), (0, 2), (0, 256), (0, 2)]
+    out[0].sum().backward()
+    assert gate.grad.shape == (0, 256) and weight.grad.shape == (0, 1)

@@ -29,14 +29,16 @@ def tile_width(k: int) -> int:
 def quantize_tiles(t: Tensor) -> tuple[Tensor, Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 [M, K / tile_width(K)]): power-of-two scales along each row's tiles."""
     m, k = t.shape
-    q, scale = quant.quantize(t.reshape(m, k // tile_width(k), tile_width(k)), -1)
-    return q.reshape(m, k), scale.reshape(m, -1)
+    tiles = k // tile_width(k)
+    q, scale = quant.quantize(t.reshape(m, tiles, tile_width(k)), -1)
+    return q.reshape(m, k), scale.reshape(m, tiles)  # explicit sizes: m may be 0 (an EP rank receiving no rows)
 
 
 def dequantize_tiles(q: Tensor, scale: Tensor) -> Tensor:
     """quantize_tiles' inverse, exact (power-of-two scales): fp32 [M, K]."""
     m, k = q.shape
-    return (q.float().reshape(m, scale.shape[1], -1) * scale.reciprocal().unsqueeze(-1)).reshape(m, k)
+    tiles = scale.shape[1]
+    return (q.float().reshape(m, tiles, k // tiles) * scale.reciprocal().unsqueeze(-1)).reshape(m, k)
 
 
 def forward(gate: Tensor, up: Tensor, row_weight: Tensor | None, kernel: str) -> tuple[Tensor, ...]:
