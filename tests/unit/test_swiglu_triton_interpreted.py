@@ -2,8 +2,8 @@
 interpreter, against the op's torch path: strided halves of one tensor, 1x128 tiles and a whole-row tile, with and
 without routing weights. Scales must be equal. Triton 3.9's interpreter casts to e4m3 wrongly at ties (it rounds them
 away from zero), where the result is a power of two (127.5 -> 64, 2.0 -> 1.0) and in subnormals (it truncates), so FP8
-data may differ from torch's only there; tests/gpu/test_swiglu_rows_gpu.py compares every bit on the GPU. The interpreter must be on before triton is
-imported, so the checks run in a child process (this file run as a script)."""
+data may differ from torch's only there; tests/gpu/test_swiglu_rows_gpu.py compares every bit on the GPU. The
+interpreter must be on before triton is imported, so the checks run in a child process (this file run as a script)."""
 
 from __future__ import annotations
 

@@ -57,11 +57,9 @@ def define_swiglu_rows_op(recipe: Recipe, swiglu: SwiGLURows, kernels: tuple[str
         if args[-1] not in kernels:
             raise ValueError(f"{name}: kernel {args[-1]!r} is not one of {kernels}")
 
-    outputs = ", ".join(["Tensor"] * 7)
+    params = ", ".join(["Tensor gate", "Tensor up", "Tensor? row_weight", *settings, "str kernel"])
 
-    @torch.library.custom_op(f"moepass::{name}", mutates_args=(),
-                             schema=f"(Tensor gate, Tensor up, Tensor? row_weight, {', '.join([*settings, 'str kernel'])}) -> "
-                                    f"({outputs})")
+    @torch.library.custom_op(f"moepass::{name}", mutates_args=(), schema=f"({params}) -> ({', '.join(['Tensor'] * 7)})")
     def op(gate, up, row_weight, *args):
         check(gate, up, row_weight, *args)
         carrier = gate.new_empty(gate.shape)  # grad_h's slot: nothing reads its values
@@ -72,11 +70,16 @@ def define_swiglu_rows_op(recipe: Recipe, swiglu: SwiGLURows, kernels: tuple[str
     def _(gate, up, row_weight, *args):
         check(gate, up, row_weight, *args)
         m, k = gate.shape
-        fp8, f32 = (gate.new_empty(m, k, dtype=E4M3) for _ in range(3)), torch.float32
-        h_q, gate_q, up_q = fp8
-        return (gate.new_empty(m, k), h_q, gate.new_empty(m, swiglu.h_scale_columns(k), dtype=f32),
-                gate_q, gate.new_empty(m, swiglu.saved_scale_columns(k), dtype=f32),
-                up_q, gate.new_empty(m, swiglu.saved_scale_columns(k), dtype=f32))
+
+        def fp8():
+            return gate.new_empty(m, k, dtype=E4M3)
+
+        def scales(columns):
+            return gate.new_empty(m, columns, dtype=torch.float32)
+
+        saved = swiglu.saved_scale_columns(k)
+        h_scales = scales(swiglu.h_scale_columns(k))
+        return gate.new_empty(m, k), fp8(), h_scales, fp8(), scales(saved), fp8(), scales(saved)
 
     def setup_context(ctx, inputs, output):
         ctx.dtype, ctx.weighted = inputs[0].dtype, inputs[2] is not None

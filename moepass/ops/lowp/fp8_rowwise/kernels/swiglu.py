@@ -43,7 +43,7 @@ def dequantize_tiles(q: Tensor, scale: Tensor) -> Tensor:
 
 def forward(gate: Tensor, up: Tensor, row_weight: Tensor | None, kernel: str) -> tuple[Tensor, ...]:
     """(h_q, h_scale [M, 1], gate_q, gate_scale, up_q, up_scale) of h = silu(gate) * up, times row_weight [M, 1]
-    when given (the routing weights weights_before_gemm moved onto w2's input: bf16(float(h) * w), as it computes it)."""
+    when given (the routing weights weights_before_gemm moved onto w2's input: bf16(float(h) * w), as it does)."""
     if kernel != "emulated" and gate.is_cuda and gate.shape[0]:
         from .triton_swiglu import swiglu_rows
 

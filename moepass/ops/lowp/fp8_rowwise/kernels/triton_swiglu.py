@@ -59,10 +59,10 @@ def swiglu_rows(gate: Tensor, up: Tensor, row_weight: Tensor | None, tile: int) 
     h_q, gate_q, up_q = (torch.empty(m, k, dtype=E4M3, device=gate.device) for _ in range(3))
     h_scale = torch.empty(m, 1, dtype=torch.float32, device=gate.device)
     gate_scale, up_scale = (torch.empty(m, tiles, dtype=torch.float32, device=gate.device) for _ in range(2))
-    tile_p = triton.next_power_of_2(tile)
+    tiles_p, tile_p = triton.next_power_of_2(tiles), triton.next_power_of_2(tile)
+    weight, stride_w = (gate, 0) if row_weight is None else (row_weight, row_weight.stride(0))  # unread: WEIGHTED
     _swiglu_rows_kernel[(m,)](
-        gate, gate.stride(0), gate.stride(1), up, up.stride(0), up.stride(1),
-        gate if row_weight is None else row_weight, 0 if row_weight is None else row_weight.stride(0),
-        h_q, h_scale, gate_q, gate_scale, up_q, up_scale, tiles, WEIGHTED=row_weight is not None, TILE=tile, TILES_P=triton.next_power_of_2(tiles), TILE_P=tile_p,
-        FP8_MAX=E4M3_MAX, EPS=AMAX_EPS, num_warps=8 if tiles * tile_p >= 4096 else 4)
+        gate, gate.stride(0), gate.stride(1), up, up.stride(0), up.stride(1), weight, stride_w,
+        h_q, h_scale, gate_q, gate_scale, up_q, up_scale, tiles, WEIGHTED=row_weight is not None, TILE=tile,
+        TILES_P=tiles_p, TILE_P=tile_p, FP8_MAX=E4M3_MAX, EPS=AMAX_EPS, num_warps=8 if tiles_p * tile_p >= 4096 else 4)
     return h_q, h_scale, gate_q, gate_scale, up_q, up_scale
