@@ -39,7 +39,7 @@ from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.emit import Emitter
 from moepass.analysis.graph import example_value, replace_node, tensor_meta
 from moepass.analysis.node_module import module_path
-from moepass.analysis.swiglu import swiglu_of
+from moepass.analysis.swiglu import swiglu_rows_of
 from moepass.op_registry import GemmRole, gemm_role, is_quantize_rows, is_rows_form, quantize_rows_form, rows_form
 from moepass.ops.ep import deepep
 from moepass.skips import Reason, SkipCode
@@ -199,14 +199,10 @@ def _fuse_swiglu(graph: fx.Graph, quant: fx.Node, record) -> None:
     (ops/lowp/swiglu_rows.py)."""
     detach = quant.args[0]
     x = detach.args[0] if isinstance(detach, fx.Node) and detach.target == "detach" else None
-    if not isinstance(x, fx.Node):
-        return
-    h, weight, weighting = _unweighted(x)
-    found = swiglu_of(h)
+    found = swiglu_rows_of(x) if isinstance(x, fx.Node) else None
     if found is None:
         return
-    gate, up, chain = found
-    chain += weighting
+    gate, up, weight, chain = found.gate, found.up, found.weight, found.chain
     module = module_path(x) or module_path(quant)
     problem = _swiglu_problem(quant, detach, gate, up, chain)
     if problem:
@@ -217,8 +213,8 @@ def _fuse_swiglu(graph: fx.Graph, quant: fx.Node, record) -> None:
         fused = emit(quantize_rows_form(quant.target).swiglu.default, gate, up, weight, *quant.args[1:])
         carrier, q, scale = (emit(operator.getitem, fused, i) for i in range(3))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in h.meta:
-            fused.meta[key] = h.meta[key]
+        if key in x.meta:
+            fused.meta[key] = x.meta[key]
     for user in list(quant.users):  # getitem(quant, 0) and (quant, 1)
         user.replace_all_uses_with(q if user.args[1] == 0 else scale)
         graph.erase_node(user)
@@ -230,52 +226,6 @@ def _fuse_swiglu(graph: fx.Graph, quant: fx.Node, record) -> None:
     weighted = " and the routing weights" if weight is not None else ""
     record.replace(fused, module, f"moepass.{fused.target.name().split('::')[-1]}",
                    f"SwiGLU{weighted} fused with the rows' quantization; gate and up kept in FP8 for its backward")
-
-
-def _unweighted(x: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
-    """(h, w, the nodes from h to x, x last) when x = h * w with w a [M, 1] column, through casts between float32 and
-    bfloat16 (weights_before_gemm's `(h.float() * w).bfloat16()`, transformers' `proj_out.to(bf16)` before it); else
-    (h, None, the casts from h to x)."""
-    y, after = _uncast(x)
-    if _is_mul(y) and len(y.args) == 2 and not y.kwargs:
-        rows = tensor_meta(x)
-        for a, w in (y.args, y.args[::-1]):
-            meta = tensor_meta(w) if isinstance(w, fx.Node) else None
-            if isinstance(a, fx.Node) and meta is not None and rows is not None \
-                    and tuple(meta.shape) == (rows.shape[0], 1) and meta.dtype.is_floating_point:
-                h, before = _uncast(a)
-                return h, w, [*before, y, *after]
-    return y, None, after
-
-
-def _uncast(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """(the source of a chain of casts between float32 and bfloat16 ending at node, the casts in order)."""
-    casts = []
-    source = _cast_source(node)
-    while source is not None:
-        casts.insert(0, node)
-        node, source = source, _cast_source(source)
-    return node, casts
-
-
-def _is_mul(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method") and node.target in (operator.mul, torch.mul, "mul")
-
-
-def _cast_source(node: fx.Node) -> fx.Node | None:
-    """The input of a cast between float32 and bfloat16 (either way, or to its own dtype) of the same shape, else
-    None."""
-    if node.op != "call_method" or node.target not in ("to", "float", "bfloat16") or not node.args \
-            or not isinstance(node.args[0], fx.Node):
-        return None
-    src, out = tensor_meta(node.args[0]), tensor_meta(node)
-    widths = (torch.float32, torch.bfloat16)
-    if src is None or out is None or tuple(src.shape) != tuple(out.shape) or src.dtype not in widths \
-            or out.dtype not in widths:
-        return None
-    if node.target == "to" and any(not isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
-        return None
-    return node.args[0]
 
 
 def _swiglu_problem(quant, detach, gate, up, chain) -> str | None:

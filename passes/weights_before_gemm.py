@@ -34,7 +34,7 @@ from moepass.analysis.dtensors import is_dtensor
 from moepass.analysis.scopes import graph_scopes
 from moepass.analysis.torchao_converted import left_to_torchao
 from moepass.analysis.emit import Emitter, fake_value
-from moepass.analysis.graph import ancestors, is_grouped_mm, is_linear, is_matmul, node_arg, tensor_meta
+from moepass.analysis.graph import ancestors, is_grouped_mm, is_linear, is_matmul, is_mul, node_arg, tensor_meta
 from moepass.analysis.node_module import module_path
 from moepass.skips import Reason, SkipCode
 
@@ -42,7 +42,6 @@ NAME = "weights_before_gemm"
 
 log = logging.getLogger(__name__)
 
-_MULS = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
 _CASTS = {"to", "float", "bfloat16", "half", "double", "type_as"}  # value-keeping up to rounding, rows unchanged
 _PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
 
@@ -103,7 +102,7 @@ def _weighted_output(node: fx.Node):
             chain.append(user)
             value = user
             continue
-        if not _is_mul(user):
+        if not is_mul(user):
             return None
         others = [a for a in (*user.args, *user.kwargs.values()) if a is not value]
         if len(others) != 1 or len(user.args) + len(user.kwargs) != 2 or not isinstance(others[0], fx.Node):
@@ -113,7 +112,7 @@ def _weighted_output(node: fx.Node):
                 or tuple(w.shape) != (*out.shape[:-1], 1) or node in ancestors(weight):
             return None
         return chain, user, weight
-    if len(value.users) > 1 and any(_is_mul(u) and _row_column(u, value, node) for u in value.users):
+    if len(value.users) > 1 and any(is_mul(u) and _row_column(u, value, node) for u in value.users):
         return chain, None, None  # weighted, but the output is read elsewhere too: _problem says so
     return None
 
@@ -124,10 +123,6 @@ def _row_column(mul: fx.Node, value: fx.Node, gemm: fx.Node) -> bool:
     w = tensor_meta(others[0]) if len(others) == 1 and isinstance(others[0], fx.Node) else None
     return w is not None and out is not None and w.dim() == out.dim() and tuple(w.shape) == (*out.shape[:-1], 1) \
         and gemm not in ancestors(others[0])
-
-
-def _is_mul(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method") and node.target in _MULS
 
 
 def _is_cast(node: fx.Node, source: fx.Node) -> bool:
@@ -144,7 +139,7 @@ def _problem(node: fx.Node, chain, mul) -> Reason | None:
     if mul is None:
         read = chain[-1] if chain else node
         return Reason(SkipCode.OUTPUT_READ_ELSEWHERE, f"the unweighted output is also read by "
-                      f"{', '.join(u.name for u in read.users if not _is_mul(u)) or 'more than one product'}")
+                      f"{', '.join(u.name for u in read.users if not is_mul(u)) or 'more than one product'}")
     bias = node_arg(node, 2, "bias") if is_linear(node) else node_arg(node, 3, "bias") if is_grouped_mm(node) else None
     if bias is not None:
         return Reason(SkipCode.WEIGHT_WITH_BIAS, "the GEMM has a bias, which the weight would scale too")

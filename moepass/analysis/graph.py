@@ -128,6 +128,14 @@ def is_call(node: fx.Node, targets) -> bool:
     return node.op == "call_function" and node.target in targets
 
 
+_MULS = {operator.mul, torch.mul, torch.Tensor.mul, "mul"}
+
+
+def is_mul(node: fx.Node) -> bool:
+    """An elementwise product, as models spell it: `a * b`, `torch.mul`, `a.mul(b)`."""
+    return node.op in ("call_function", "call_method") and node.target in _MULS
+
+
 def is_linear(node: fx.Node) -> bool:
     return is_call(node, _LINEAR_TARGETS)
 
